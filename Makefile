@@ -1,0 +1,44 @@
+# shardlm: `make demo` and `make test` each set up .venv on first use.
+#
+#   TORCH=...            torch requirement installed first (default: the release we test on).
+#   USE_SYSTEM_TORCH=1   build .venv with --system-site-packages and keep the torch you have
+#                        (e.g. your cluster's CUDA build); nothing is installed over it.
+PYTHON ?= python3
+VENV ?= .venv
+TORCH ?= torch==2.13.0
+NPROC ?= 2
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip --disable-pip-version-check -q
+
+.PHONY: install demo test test-fast bench clean
+
+$(VENV)/.base:
+	$(PYTHON) -m venv $(if $(USE_SYSTEM_TORCH),--system-site-packages) $(VENV)
+	@if [ -n "$(USE_SYSTEM_TORCH)" ]; then $(PY) -c "import torch; print('using torch', torch.__version__)"; \
+	elif ! $(PY) -c "import torch" 2>/dev/null; then $(PIP) install "$(TORCH)"; fi
+	@touch $@
+
+$(VENV)/.core: $(VENV)/.base pyproject.toml
+	$(PIP) install -e .
+	@touch $@
+
+$(VENV)/.dev: $(VENV)/.base pyproject.toml
+	$(PIP) install -e '.[dev,hf,viz]'
+	@touch $@ $(VENV)/.core
+
+install: $(VENV)/.core
+
+demo: $(VENV)/.core
+	$(VENV)/bin/torchrun --standalone --nproc_per_node $(NPROC) -m shardlm train --config configs/demo.toml
+
+test: $(VENV)/.dev
+	$(PY) -m pytest -q
+
+test-fast: $(VENV)/.dev
+	$(PY) -m pytest -q -m "not slow"
+
+bench: $(VENV)/.dev
+	$(VENV)/bin/torchrun --standalone --nproc_per_node 2 benchmarks/overhead.py
+
+clean:
+	rm -rf $(VENV) runs

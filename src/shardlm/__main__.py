@@ -1,0 +1,5 @@
+import sys
+
+from shardlm.cli import main
+
+sys.exit(main())

@@ -1,0 +1,281 @@
+"""One typed config tree: TOML file + `--section.key=value` overrides, validated with clear messages.
+
+Every field carries its documentation in `metadata["doc"]`: `shardlm train --help` prints it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import sys
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+import tomli_w
+
+
+class ShardlmError(Exception):
+    """A user-facing failure: the CLI prints its message as one line and exits non-zero."""
+
+
+class ConfigError(ShardlmError):
+    pass
+
+
+def _f(default: Any, doc: str, **kw: Any) -> Any:
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata={"doc": doc}, **kw)
+    return field(default=default, metadata={"doc": doc}, **kw)
+
+
+@dataclass
+class ModelSection:
+    preset: str = _f("debug", "Exact name of a model shape in shardlm.models.presets (see `shardlm presets`).")
+    n_layers: int | None = _f(None, "Override the preset's number of transformer blocks (e.g. to fit a benchmark).")
+    dim: int | None = _f(None, "Override the preset's hidden size.")
+    n_heads: int | None = _f(None, "Override the preset's number of attention heads.")
+    n_kv_heads: int | None = _f(None, "Override the preset's number of key/value heads (GQA).")
+    ffn_dim: int | None = _f(None, "Override the preset's SwiGLU hidden size.")
+    vocab_size: int | None = _f(None, "Override the preset's vocabulary size.")
+
+
+@dataclass
+class ParallelSection:
+    dp_replicate: int = _f(1, "Replicas of the sharded model (HSDP across nodes); 1 = plain FSDP.")
+    dp_shard: int = _f(-1, "Ranks each parameter is sharded over; -1 = world_size / dp_replicate.")
+    reshard_after_forward: bool = _f(
+        True, "Free unsharded parameters after each block's forward (ZeRO-3); false keeps them for "
+        "backward (ZeRO-2: more memory, one all-gather less per block).")
+
+
+@dataclass
+class TrainSection:
+    steps: int = _f(100, "Optimizer steps to run.")
+    output_dir: str = _f("runs/default", "Where config.toml, metrics.jsonl and checkpoints go.")
+    seed: int = _f(0, "Seed for initialisation, data order and sampling; runs are deterministic on CPU.")
+    micro_batch_size: int = _f(8, "Sequences per rank per micro-batch.")
+    grad_accum: int = _f(1, "Micro-batches per optimizer step (gradients reduced on the last only).")
+    mixed_precision: Literal["bf16", "fp32"] = _f(
+        "bf16", "bf16: bf16 params/compute with fp32 master weights and optimizer state; fp32: all fp32.")
+    reduce_dtype: Literal["fp32", "bf16"] = _f("fp32", "Dtype of the gradient reduce-scatter/all-reduce.")
+    lr: float = _f(3e-4, "Peak learning rate (AdamW).")
+    warmup_steps: int = _f(10, "Linear warmup steps from ~0 to train.lr.")
+    lr_schedule: Literal["cosine", "linear", "constant"] = _f("cosine", "Decay after warmup.")
+    min_lr_ratio: float = _f(0.1, "Final learning rate as a fraction of train.lr (cosine and linear).")
+    weight_decay: float = _f(0.1, "AdamW weight decay, applied to matrices only (not norms or biases).")
+    beta1: float = _f(0.9, "AdamW beta1.")
+    beta2: float = _f(0.95, "AdamW beta2.")
+    eps: float = _f(1e-8, "AdamW epsilon.")
+    grad_clip: float = _f(1.0, "Clip the global gradient norm to this value; 0 disables clipping.")
+    device: Literal["auto", "cpu", "cuda"] = _f("auto", "auto = cuda when available (NCCL), else cpu (gloo).")
+    sample_tokens: int = _f(0, "After training, generate this many tokens from train.sample_prompt and print them.")
+    sample_prompt: str = _f("def ", "Prompt for the end-of-training sample.")
+
+
+@dataclass
+class DataSection:
+    path: str = _f(
+        "builtin:stdlib", "Training text: `builtin:stdlib` (the running Python's standard library), or a "
+        ".txt/.jsonl file, a directory of them, or a glob.")
+    text_field: str = _f("text", "Field holding the text in .jsonl records.")
+    tokenizer: str = _f("bytes", "`bytes` (UTF-8 bytes + EOS, vocab 257) or a path to an HF tokenizer.json (or its directory).")
+    seq_len: int = _f(128, "Tokens per training sequence (documents are packed, EOS-separated).")
+    shuffle: bool = _f(True, "Shuffle the packed sequences (a fresh permutation every epoch).")
+    cache_dir: str = _f("", "Where the tokenised corpus is cached; empty = $XDG_CACHE_HOME/shardlm (~/.cache/shardlm).")
+
+
+@dataclass
+class MetricsSection:
+    log_every: int = _f(10, "Log a metrics line (and a metrics.jsonl record) every N steps.")
+    progress_bar: bool = _f(True, "Show a progress bar on rank 0 when stderr is a terminal.")
+    tensorboard: bool = _f(False, "Also write TensorBoard events to <output_dir>/tb (needs the [viz] extra).")
+
+
+@dataclass
+class Config:
+    model: ModelSection = field(default_factory=ModelSection)
+    parallel: ParallelSection = field(default_factory=ParallelSection)
+    train: TrainSection = field(default_factory=TrainSection)
+    data: DataSection = field(default_factory=DataSection)
+    metrics: MetricsSection = field(default_factory=MetricsSection)
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        return {s.name: {k: v for k, v in dataclasses.asdict(getattr(self, s.name)).items() if v is not None}
+                for s in dataclasses.fields(self)}
+
+    def to_toml(self) -> str:
+        return tomli_w.dumps(self.to_dict())
+
+
+# -- parsing -------------------------------------------------------------------------------------
+
+def _sections() -> dict[str, type]:
+    return {f.name: f.default_factory for f in dataclasses.fields(Config)}  # type: ignore[misc]
+
+
+def _fields(section_cls: type) -> dict[str, dataclasses.Field]:
+    return {f.name: f for f in dataclasses.fields(section_cls)}
+
+
+def _unknown(kind: str, name: str, valid: list[str]) -> ConfigError:
+    close = difflib.get_close_matches(name, valid, n=1)
+    hint = f"did you mean {close[0]!r}?" if close else f"valid: {', '.join(valid)}"
+    return ConfigError(f"unknown config {kind} {name!r}; {hint}")
+
+
+def _resolve_key(dotted: str) -> tuple[str, dataclasses.Field]:
+    if "." not in dotted:
+        raise ConfigError(f"config key {dotted!r} must look like section.key (e.g. train.steps)")
+    section, key = dotted.split(".", 1)
+    sections = _sections()
+    if section not in sections:
+        raise _unknown("section", section, list(sections))
+    fields = _fields(sections[section])
+    if key not in fields:
+        all_keys = [f"{section}.{k}" for k in fields] + [f"{s}.{k}" for s, c in sections.items() for k in _fields(c)]
+        close = difflib.get_close_matches(dotted, all_keys, n=1)
+        hint = f"did you mean {close[0]!r}?" if close else f"valid keys in [{section}]: {', '.join(fields)}"
+        raise ConfigError(f"unknown config key {dotted!r}; {hint}")
+    return section, fields[key]
+
+
+def _type_args(tp: Any) -> tuple[Any, bool]:
+    """(base type, optional?) of a field annotation."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        return args[0], True
+    return tp, False
+
+
+def _coerce(dotted: str, tp: Any, value: Any, from_string: bool) -> Any:
+    """Check (TOML) or parse (command line) `value` against the annotation `tp`."""
+    base, optional = _type_args(tp)
+    if optional and (value is None or (from_string and str(value).lower() in ("none", "null", ""))):
+        return None
+    if typing.get_origin(base) is Literal:
+        choices = typing.get_args(base)
+        if value not in choices:
+            raise ConfigError(f"{dotted} must be one of {', '.join(map(repr, choices))}, got {value!r}")
+        return value
+    try:
+        if base is bool:
+            if isinstance(value, bool):
+                return value
+            if from_string and str(value).lower() in ("true", "1", "yes", "on", "false", "0", "no", "off"):
+                return str(value).lower() in ("true", "1", "yes", "on")
+        elif base is int:
+            if isinstance(value, int) and not isinstance(value, bool):
+                return value
+            if from_string:
+                return int(value)
+        elif base is float:
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                return float(value)
+            if from_string:
+                return float(value)
+        elif base is str:
+            if isinstance(value, str):
+                return value
+    except ValueError:
+        pass
+    raise ConfigError(f"{dotted} expects {base.__name__}, got {value!r} ({type(value).__name__})")
+
+
+def set_value(cfg: Config, dotted: str, value: Any, from_string: bool = False) -> None:
+    section, fld = _resolve_key(dotted)
+    section_obj = getattr(cfg, section)
+    tp = typing.get_type_hints(type(section_obj))[fld.name]
+    setattr(section_obj, fld.name, _coerce(dotted, tp, value, from_string))
+
+
+def parse_overrides(args: list[str]) -> list[tuple[str, str]]:
+    """`--a.b=v` or `--a.b v` -> [("a.b", "v")]."""
+    out, i = [], 0
+    while i < len(args):
+        arg = args[i]
+        if not arg.startswith("--") or len(arg) == 2:
+            raise ConfigError(f"unexpected argument {arg!r}; overrides look like --section.key=value")
+        if "=" in arg:
+            key, val = arg[2:].split("=", 1)
+        elif i + 1 < len(args) and not args[i + 1].startswith("--"):
+            key, val = arg[2:], args[i + 1]
+            i += 1
+        else:
+            raise ConfigError(f"override {arg!r} has no value; write --section.key=value")
+        out.append((key, val))
+        i += 1
+    return out
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """Defaults <- TOML file <- command-line overrides, then validation."""
+    cfg = Config()
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {str(p)!r} not found; pass an existing TOML file (e.g. configs/debug.toml)")
+        try:
+            data = tomllib.loads(p.read_text())
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"config file {str(p)!r} is not valid TOML: {e}") from None
+        for section, table in data.items():
+            if not isinstance(table, dict):
+                raise ConfigError(f"top-level key {section!r} in {p} must be a [section] table")
+            for key, value in table.items():
+                set_value(cfg, f"{section}.{key}", value)
+    for key, value in parse_overrides(overrides or []):
+        set_value(cfg, key, value, from_string=True)
+    validate(cfg)
+    return cfg
+
+
+def validate(cfg: Config) -> None:
+    t, d, p, m = cfg.train, cfg.data, cfg.parallel, cfg.metrics
+    positive = {"train.steps": t.steps, "train.micro_batch_size": t.micro_batch_size,
+                "train.grad_accum": t.grad_accum, "data.seq_len": d.seq_len, "metrics.log_every": m.log_every,
+                "parallel.dp_replicate": p.dp_replicate}
+    for key, v in positive.items():
+        if v < 1:
+            raise ConfigError(f"{key} must be >= 1, got {v}")
+    for key in ("n_layers", "dim", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size"):
+        v = getattr(cfg.model, key)
+        if v is not None and v < 1:
+            raise ConfigError(f"model.{key} must be >= 1, got {v}")
+    if p.dp_shard < 1 and p.dp_shard != -1:
+        raise ConfigError(f"parallel.dp_shard must be >= 1 or -1 (fill), got {p.dp_shard}")
+    nonneg = {"train.lr": t.lr, "train.warmup_steps": t.warmup_steps, "train.weight_decay": t.weight_decay,
+              "train.grad_clip": t.grad_clip, "train.sample_tokens": t.sample_tokens, "train.eps": t.eps}
+    for key, v in nonneg.items():
+        if v < 0:
+            raise ConfigError(f"{key} must be >= 0, got {v}")
+    if not 0.0 <= t.min_lr_ratio <= 1.0:
+        raise ConfigError(f"train.min_lr_ratio must be in [0, 1], got {t.min_lr_ratio}")
+    for key, v in (("train.beta1", t.beta1), ("train.beta2", t.beta2)):
+        if not 0.0 <= v < 1.0:
+            raise ConfigError(f"{key} must be in [0, 1), got {v}")
+    if not t.output_dir:
+        raise ConfigError("train.output_dir must not be empty")
+
+
+def describe() -> str:
+    """Every config key with its type, default and documentation: the user's manual."""
+    lines = []
+    for name, cls in _sections().items():
+        lines.append(f"[{name}]")
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            base, optional = _type_args(hints[f.name])
+            tname = (" | ".join(map(repr, typing.get_args(base))) if typing.get_origin(base) is Literal
+                     else base.__name__) + (" | none" if optional else "")
+            lines.append(f"  {name}.{f.name} = {f.default!r}  ({tname})")
+            lines.append(f"      {f.metadata['doc']}")
+    return "\n".join(lines)

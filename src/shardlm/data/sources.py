@@ -1,0 +1,75 @@
+"""Where text comes from: the built-in corpus, .txt files, .jsonl records."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import sys
+import sysconfig
+from pathlib import Path
+from typing import Iterator
+
+from shardlm.config import ConfigError
+
+BUILTIN = "builtin:stdlib"
+SUFFIXES = (".txt", ".jsonl")
+
+
+def builtin_files() -> list[Path]:
+    """The running Python's standard library sources: on every machine, no download."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if d not in ("site-packages", "dist-packages", "__pycache__"))
+        files += [Path(dirpath) / f for f in sorted(filenames) if f.endswith(".py")]
+    return files
+
+
+def resolve_files(spec: str) -> list[Path]:
+    """The sorted list of files `data.path` names; a clear error when there are none."""
+    if spec == BUILTIN:
+        files = builtin_files()
+    elif any(c in spec for c in "*?["):
+        files = sorted(Path(f) for f in glob.glob(spec, recursive=True) if f.endswith(SUFFIXES))
+    elif Path(spec).is_dir():
+        files = sorted(f for f in Path(spec).rglob("*") if f.suffix in SUFFIXES and f.is_file())
+    elif Path(spec).is_file():
+        if not spec.endswith(SUFFIXES):
+            raise ConfigError(f"data.path {spec!r}: unsupported file type; use .txt or .jsonl")
+        files = [Path(spec)]
+    else:
+        raise ConfigError(f"data.path {spec!r} does not exist; pass a .txt/.jsonl file, a directory, a glob or {BUILTIN}")
+    if not files:
+        raise ConfigError(f"data.path {spec!r} holds no .txt or .jsonl files")
+    return files
+
+
+def iter_documents(files: list[Path], text_field: str) -> Iterator[str]:
+    """Documents in order: a .txt (or built-in .py) file is one; a .jsonl line is one.
+
+    Files that are not valid UTF-8 are skipped with a warning; a .jsonl line that is not JSON or
+    lacks `text_field` is an error naming the file and line.
+    """
+    for f in files:
+        try:
+            text = f.read_bytes().decode("utf-8")
+        except UnicodeDecodeError as e:
+            print(f"shardlm: warning: skipping {f}: not valid UTF-8 ({e.reason} at byte {e.start})", file=sys.stderr)
+            continue
+        if f.suffix != ".jsonl":
+            if text:
+                yield text
+            continue
+        for lineno, line in enumerate(text.splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"{f}:{lineno}: not valid JSON ({e.msg})") from None
+            value = record.get(text_field) if isinstance(record, dict) else None
+            if not isinstance(value, str):
+                raise ConfigError(f"{f}:{lineno}: no string field {text_field!r}; set data.text_field")
+            if value:
+                yield value

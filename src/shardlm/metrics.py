@@ -1,0 +1,125 @@
+"""Training metrics: progress bar, log lines, metrics.jsonl and TensorBoard (rank 0 only)."""
+
+from __future__ import annotations
+
+import json
+import math
+import resource
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from shardlm.config import ConfigError
+
+# Dense bf16 tensor-core peak per GPU, FLOP/s (vendor datasheets, no sparsity).
+PEAK_BF16_FLOPS = {
+    "B200": 2.25e15,
+    "H200": 989e12,
+    "H100 PCIe": 756e12,
+    "H100 NVL": 835e12,
+    "H100": 989e12,  # SXM
+    "H800": 989e12,
+    "A100": 312e12,
+    "A800": 312e12,
+    "L40S": 362e12,
+}
+
+FIELDS = ("step", "loss", "lr", "grad_norm", "tokens_per_sec", "mfu", "mem_gib", "elapsed_s")
+
+
+def peak_flops(device: torch.device) -> float | None:
+    """Peak bf16 FLOP/s of one GPU, or None (CPU, unknown GPU): then MFU is reported as null."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((v for k, v in PEAK_BF16_FLOPS.items() if k in name), None)
+
+
+def memory_gib(device: torch.device) -> float:
+    """Peak memory since the last call: CUDA max allocated, or the process's peak RSS on CPU."""
+    if device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        return peak / 2**30
+    kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+    return kib / 2**20
+
+
+class MetricsLogger:
+    """Writes one JSON object per logged step; rank 0 also draws the bar and prints a line."""
+
+    def __init__(self, output_dir: Path, total_steps: int, enabled: bool, progress_bar: bool,
+                 tensorboard: bool, start_step: int = 0):
+        self.enabled = enabled
+        self.bar = self.tb = self.file = None
+        if not enabled:
+            return
+        self.file = open(output_dir / "metrics.jsonl", "a")
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:
+                raise ConfigError("metrics.tensorboard needs the tensorboard package: pip install 'shardlm[viz]'") from None
+            self.tb = SummaryWriter(str(output_dir / "tb"))
+        if progress_bar and sys.stderr.isatty():
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True)
+
+    def log(self, record: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()
+        if self.tb is not None:
+            for k, v in record.items():
+                if k != "step" and isinstance(v, (int, float)) and not math.isnan(v):
+                    self.tb.add_scalar(f"train/{k}", v, record["step"])
+        mfu = "n/a" if record["mfu"] is None else f"{100 * record['mfu']:.1f}%"
+        line = (f"step {record['step']:>6} | loss {record['loss']:.4f} | lr {record['lr']:.2e} | "
+                f"gnorm {record['grad_norm']:.3f} | {record['tokens_per_sec']:,.0f} tok/s | mfu {mfu} | "
+                f"mem {record['mem_gib']:.2f} GiB")
+        self.write(line)
+
+    def advance(self, n: int = 1, loss: float | None = None) -> None:
+        if self.bar is not None:
+            self.bar.update(n)
+            if loss is not None:
+                self.bar.set_postfix(loss=f"{loss:.4f}")
+
+    def write(self, line: str) -> None:
+        if not self.enabled:
+            return
+        if self.bar is not None:
+            self.bar.write(line)
+        else:
+            print(line, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        if self.tb is not None:
+            self.tb.close()
+        if self.file is not None:
+            self.file.close()
+
+
+class Throughput:
+    """Tokens/s and MFU over the interval since the last `measure`."""
+
+    def __init__(self, flops_per_token: float, peak: float | None, world_size: int):
+        self.flops_per_token, self.peak, self.world = flops_per_token, peak, world_size
+        self.t0, self.tokens = time.perf_counter(), 0
+
+    def add(self, tokens: int) -> None:
+        self.tokens += tokens
+
+    def measure(self) -> tuple[float, float | None]:
+        now = time.perf_counter()
+        tps = self.tokens / max(now - self.t0, 1e-9)
+        self.t0, self.tokens = now, 0
+        mfu = None if self.peak is None else tps * self.flops_per_token / (self.peak * self.world)
+        return tps, mfu

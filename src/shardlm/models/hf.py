@@ -1,0 +1,197 @@
+"""Hugging Face interop: `config.json` <-> `ModelConfig`, and checkpoint key/shape mapping.
+
+Plain PyTorch and the standard library only (no `transformers` import), so a checkpoint can be
+converted on a machine without it. Supported: Llama (2/3/3.1/3.2), Mistral, Qwen2 and Qwen3.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import torch
+
+from shardlm.models.llama import ModelConfig, RopeScaling, Transformer
+
+ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+_HF_PREFIX = "model."
+_UNTIED_HEAD = "lm_head.weight"
+
+
+def _req(hf: Mapping[str, Any], key: str) -> Any:
+    """hf[key], or a ValueError naming the missing field."""
+    if hf.get(key) is None:
+        raise ValueError(f"HF config: required field {key!r} is missing")
+    return hf[key]
+
+
+def _rope(hf: Mapping[str, Any]) -> tuple[float, RopeScaling | None]:
+    """(rope_theta, scaling) from transformers-5 `rope_parameters` or the older `rope_theta`/`rope_scaling`."""
+    rp = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+    if any(isinstance(v, Mapping) for v in rp.values()):
+        raise ValueError("HF config: per-layer-type 'rope_parameters' are not supported; use one RoPE for all layers")
+    theta = float(rp.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    if rp.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise ValueError("HF config: 'partial_rotary_factor' must be 1.0 (RoPE on the whole head)")
+    kind = rp.get("rope_type", rp.get("type")) or "default"
+    if kind == "default":
+        return theta, None
+    if kind != "llama3":
+        raise ValueError(f"HF config: rope_type {kind!r} is not supported; supported: 'default' and 'llama3'")
+    return theta, RopeScaling(
+        factor=float(rp["factor"]),
+        low_freq_factor=float(rp["low_freq_factor"]),
+        high_freq_factor=float(rp["high_freq_factor"]),
+        original_max_position_embeddings=int(
+            rp.get("original_max_position_embeddings") or _req(hf, "max_position_embeddings")
+        ),
+    )
+
+
+def config_from_hf(hf: Mapping[str, Any], max_seq_len: int | None = None) -> ModelConfig:
+    """Our ModelConfig from an HF `config.json` dict (llama / mistral / qwen2 / qwen3)."""
+    mt = hf.get("model_type")
+    if mt not in ARCHITECTURES:
+        raise ValueError(f"HF config: model_type {mt!r} is not supported; supported: {', '.join(ARCHITECTURES)}")
+    archs = hf.get("architectures") or []
+    if any(a != ARCHITECTURES[mt] for a in archs):
+        raise ValueError(f"HF config: architectures {archs} not supported for {mt!r}; expected {ARCHITECTURES[mt]!r}")
+    if hf.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"HF config: hidden_act {hf['hidden_act']!r} is not supported; only 'silu' (SwiGLU)")
+    if hf.get("mlp_bias"):
+        raise ValueError("HF config: 'mlp_bias' = true is not supported (our MLP has no biases)")
+    if hf.get("attention_bias") and mt in ("llama", "qwen3"):
+        # HF Llama/Qwen3 put this bias on o_proj as well as q/k/v; our o_proj has none.
+        raise ValueError(f"HF config: 'attention_bias' = true is not supported for {mt!r} (it adds an o_proj bias)")
+    if max_seq_len is None:
+        max_seq_len = int(_req(hf, "max_position_embeddings"))
+    window = hf.get("sliding_window") if mt == "mistral" or hf.get("use_sliding_window") else None
+    if window is not None and window < max_seq_len:
+        raise ValueError(
+            f"HF config: 'sliding_window' = {window} < max_seq_len {max_seq_len} is not supported (full causal "
+            "attention only); pass max_seq_len <= sliding_window"
+        )
+    theta, scaling = _rope(hf)
+    n_heads = int(_req(hf, "num_attention_heads"))
+    return ModelConfig(
+        dim=int(_req(hf, "hidden_size")),
+        n_layers=int(_req(hf, "num_hidden_layers")),
+        n_heads=n_heads,
+        n_kv_heads=int(hf.get("num_key_value_heads") or n_heads),
+        head_dim=hf.get("head_dim"),
+        vocab_size=int(_req(hf, "vocab_size")),
+        ffn_dim=int(_req(hf, "intermediate_size")),
+        norm_eps=float(_req(hf, "rms_norm_eps")),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        max_seq_len=max_seq_len,
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        qkv_bias=mt == "qwen2",
+        qk_norm=mt == "qwen3",
+    )
+
+
+def config_to_hf(cfg: ModelConfig, model_type: str | None = None) -> dict[str, Any]:
+    """An HF `config.json` dict for `cfg` (model_type: qwen3 if qk_norm, qwen2 if qkv_bias, else llama)."""
+    mt = model_type or ("qwen3" if cfg.qk_norm else "qwen2" if cfg.qkv_bias else "llama")
+    if mt not in ARCHITECTURES:
+        raise ValueError(f"model_type {mt!r} is not supported; supported: {', '.join(ARCHITECTURES)}")
+    if cfg.qkv_bias != (mt == "qwen2") or cfg.qk_norm != (mt == "qwen3"):
+        raise ValueError(
+            f"model_type {mt!r} cannot represent qkv_bias={cfg.qkv_bias}, qk_norm={cfg.qk_norm} "
+            "(qkv_bias needs 'qwen2', qk_norm needs 'qwen3')"
+        )
+    s = cfg.rope_scaling
+    scaling = None if s is None else {
+        "rope_type": "llama3",
+        "factor": s.factor,
+        "low_freq_factor": s.low_freq_factor,
+        "high_freq_factor": s.high_freq_factor,
+        "original_max_position_embeddings": s.original_max_position_embeddings,
+    }
+    d: dict[str, Any] = {
+        "architectures": [ARCHITECTURES[mt]],
+        "model_type": mt,
+        "hidden_size": cfg.dim,
+        "num_hidden_layers": cfg.n_layers,
+        "num_attention_heads": cfg.n_heads,
+        "num_key_value_heads": cfg.n_kv_heads,
+        "head_dim": cfg.head_dim,
+        "intermediate_size": cfg.ffn_dim,
+        "vocab_size": cfg.vocab_size,
+        "rms_norm_eps": cfg.norm_eps,
+        "max_position_embeddings": cfg.max_seq_len,
+        "hidden_act": "silu",
+        "tie_word_embeddings": cfg.tie_embeddings,
+        # Both spellings: transformers 5 reads `rope_parameters`, 4.x reads `rope_theta`/`rope_scaling`.
+        "rope_theta": cfg.rope_theta,
+        "rope_scaling": scaling,
+        "rope_parameters": {"rope_type": "default", **(scaling or {}), "rope_theta": cfg.rope_theta},
+        "torch_dtype": "float32",
+    }
+    if mt in ("llama", "qwen3"):
+        d["attention_bias"] = False
+    if mt == "llama":
+        d["mlp_bias"] = False
+    if mt == "mistral":
+        d["sliding_window"] = None
+    if mt in ("qwen2", "qwen3"):
+        d.update(use_sliding_window=False, sliding_window=None)
+    return d
+
+
+def hf_key_to_ours(key: str) -> str:
+    """HF tensor name -> ours: strip the leading `model.` (`lm_head.weight` is unchanged)."""
+    if key == _UNTIED_HEAD:
+        return key
+    if not key.startswith(_HF_PREFIX):
+        raise ValueError(f"unexpected HF tensor {key!r}: expected 'lm_head.weight' or a name starting with 'model.'")
+    return key[len(_HF_PREFIX):]
+
+
+def our_key_to_hf(key: str) -> str:
+    """Our tensor name -> HF's: prepend `model.` (`lm_head.weight` is unchanged)."""
+    return key if key == _UNTIED_HEAD else _HF_PREFIX + key
+
+
+def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Our state-dict names and shapes for `cfg` (built on the meta device: no memory)."""
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    return {k: tuple(v.shape) for k, v in model.state_dict().items()}
+
+
+def _check(sd: Mapping[str, torch.Tensor], cfg: ModelConfig, to_name, shown_name) -> dict[str, torch.Tensor]:
+    """Rename every tensor with `to_name` and check names/shapes against our model (errors use `shown_name`)."""
+    expected = expected_shapes(cfg)
+    out: dict[str, torch.Tensor] = {}
+    for key, t in sd.items():
+        if cfg.tie_embeddings and key == _UNTIED_HEAD:
+            continue  # tied: the head is embed_tokens.weight
+        if key.endswith("rotary_emb.inv_freq"):
+            continue  # a buffer old HF checkpoints saved; recomputed from the config
+        ours = to_name(key)
+        if ours not in expected:
+            raise ValueError(f"unexpected tensor {key!r}: our model for this config has no such parameter")
+        if tuple(t.shape) != expected[ours]:
+            raise ValueError(f"tensor {key!r} has shape {tuple(t.shape)}, expected {expected[ours]}")
+        out[ours] = t
+    missing = [shown_name(k) for k in expected if k not in out]
+    if missing:
+        more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
+        raise ValueError(f"missing tensor(s): {', '.join(missing[:5])}{more}")
+    return out
+
+
+def hf_state_dict_to_ours(sd: Mapping[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """An HF state dict renamed to ours, checked against `Transformer(cfg)`'s names and shapes."""
+    return _check(sd, cfg, hf_key_to_ours, our_key_to_hf)
+
+
+def our_state_dict_to_hf(sd: Mapping[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """Our state dict, checked against `Transformer(cfg)`, renamed to HF's (no `lm_head.weight` when tied)."""
+    return {our_key_to_hf(k): v for k, v in _check(sd, cfg, lambda k: k, lambda k: k).items()}

@@ -1,0 +1,295 @@
+"""A Llama-family decoder in plain PyTorch.
+
+Covers Llama 2/3/3.1 (RoPE with Llama-3.1 frequency scaling), Mistral, Qwen2 (q/k/v bias) and
+Qwen3 (per-head q/k RMSNorm): RMSNorm, rotary embeddings, grouped-query attention through
+`scaled_dot_product_attention`, SwiGLU, optional tied embeddings. Module names follow Hugging
+Face's (`layers.N.self_attn.q_proj`, ...) so checkpoints map one-to-one and LoRA targets read
+the same as in peft.
+
+Nothing here knows about distribution: the model is built on the `meta` device, sharded from
+outside (`shardlm.parallel`), materialised with `to_empty`, then `init_weights()` fills it.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Llama-3.1 style frequency scaling (HF `rope_scaling` with `rope_type = "llama3"`)."""
+
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    dim: int
+    n_layers: int
+    n_heads: int
+    vocab_size: int
+    ffn_dim: int
+    n_kv_heads: int | None = None
+    head_dim: int | None = None  # default dim // n_heads (Qwen3 sets it explicitly)
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    max_seq_len: int = 2048  # length of the RoPE table; the trainer sets it to data.seq_len
+    tie_embeddings: bool = False
+    qkv_bias: bool = False  # Qwen2
+    qk_norm: bool = False  # Qwen3
+
+    def __post_init__(self) -> None:
+        if self.n_kv_heads is None:
+            object.__setattr__(self, "n_kv_heads", self.n_heads)
+        if self.head_dim is None:
+            object.__setattr__(self, "head_dim", self.dim // self.n_heads)
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads})")
+
+    def num_params(self, exclude_embedding: bool = False) -> int:
+        """Exact parameter count, computed from the shapes (no model needed)."""
+        hd, q, kv = self.head_dim, self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+        attn = self.dim * q + 2 * self.dim * kv + q * self.dim
+        if self.qkv_bias:
+            attn += q + 2 * kv
+        if self.qk_norm:
+            attn += 2 * hd
+        block = attn + 3 * self.dim * self.ffn_dim + 2 * self.dim
+        emb = self.vocab_size * self.dim
+        head = 0 if self.tie_embeddings else emb
+        total = self.n_layers * block + self.dim + emb + head
+        return total - emb if exclude_embedding else total
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token: 6N for the matmuls plus 12*L*H*Dh*T for attention (PaLM, App. B)."""
+        n = self.num_params(exclude_embedding=True)
+        if self.tie_embeddings:
+            n += self.vocab_size * self.dim  # the output projection still runs
+        return 6.0 * n + 12.0 * self.n_layers * self.n_heads * self.head_dim * seq_len
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in fp32 and cast back, exactly as Llama/HF do."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    """Inverse frequencies, with Llama-3.1 scaling when configured (same formula as HF)."""
+    dim = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    s = cfg.rope_scaling
+    if s is None:
+        return inv_freq
+    low_wavelen = s.original_max_position_embeddings / s.low_freq_factor
+    high_wavelen = s.original_max_position_embeddings / s.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / s.factor, inv_freq)
+    smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (
+        s.high_freq_factor - s.low_freq_factor
+    )
+    smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
+    medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables for `max_seq_len` positions (non-persistent buffers: recomputed, never saved)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.register_buffer("cos", torch.empty(cfg.max_seq_len, cfg.head_dim), persistent=False)
+        self.register_buffer("sin", torch.empty(cfg.max_seq_len, cfg.head_dim), persistent=False)
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        inv_freq = rope_inv_freq(self.cfg).to(self.cos.device)
+        t = torch.arange(self.cfg.max_seq_len, device=inv_freq.device, dtype=torch.float32)
+        freqs = torch.outer(t, inv_freq)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.cos.copy_(emb.cos())
+        self.sin.copy_(emb.sin())
+
+    def forward(self, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if seq_len > self.cfg.max_seq_len:
+            raise ValueError(f"sequence of {seq_len} tokens exceeds the RoPE table ({self.cfg.max_seq_len})")
+        return self.cos[:seq_len], self.sin[:seq_len]
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: (B, H, T, D); cos/sin: (T, D)."""
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    return x * cos + _rotate_half(x) * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        q, kv = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+        self.q_proj = nn.Linear(cfg.dim, q, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(cfg.dim, kv, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(cfg.dim, kv, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(q, cfg.dim, bias=False)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, self.n_heads, self.head_dim)
+        k = self.k_proj(x).view(b, t, self.n_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(b, t, self.n_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self.n_kv_heads != self.n_heads:  # GQA: query head h reads kv head h // n_rep
+            rep = self.n_heads // self.n_kv_heads
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o_proj(y.transpose(1, 2).reshape(b, t, -1))
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
+        self.up_proj = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
+        self.down_proj = nn.Linear(cfg.ffn_dim, cfg.dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nn.Module):
+    """One pre-norm transformer block: the unit that FSDP shards and AC wraps."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+# An init spec: ("normal", std) | ("ones",) | ("zeros",)
+InitSpec = tuple
+# Maps a parameter to (its local tensor, the global index of its first row). The identity for
+# plain tensors; `shardlm.parallel` passes one that understands sharded DTensors.
+ShardView = Callable[[torch.Tensor], tuple[torch.Tensor, int]]
+
+
+def _whole(p: torch.Tensor) -> tuple[torch.Tensor, int]:
+    return p, 0
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.rope = RotaryEmbedding(cfg)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        # Tied: the output projection reads embed_tokens.weight (no second parameter to re-tie
+        # after to_empty or sharding).
+        self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens: (B, T) int64 -> logits (B, T, vocab)."""
+        cos, sin = self.rope(tokens.shape[1])
+        h = self.embed_tokens(tokens)
+        for layer in self.layers:
+            h = layer(h, cos, sin)
+        h = self.norm(h)
+        if self.lm_head is None:
+            return F.linear(h, self.embed_tokens.weight.to(h.dtype))
+        return self.lm_head(h)
+
+    # -- initialisation ------------------------------------------------------------------------
+    def init_spec(self, name: str) -> InitSpec:
+        """How parameter `name` is initialised: GPT-2/Llama style, depth-scaled residual outputs."""
+        if name.endswith("norm.weight"):
+            return ("ones",)
+        if name.endswith(".bias"):
+            return ("zeros",)
+        if name.endswith(("o_proj.weight", "down_proj.weight")):
+            return ("normal", 0.02 / math.sqrt(2 * self.cfg.n_layers))
+        return ("normal", 0.02)
+
+    @torch.no_grad()
+    def init_weights(self, seed: int = 0, shard_view: ShardView = _whole) -> None:
+        """Fill every parameter and recompute the RoPE buffers.
+
+        The values depend only on `seed` and the parameter's name, never on how it is sharded:
+        rows are drawn in fixed blocks, each from its own generator, so a rank that holds rows
+        [a, b) draws just the blocks that cover them and gets the same numbers as one rank would.
+        """
+        self.rope.reset_parameters()
+        for name, p in self.named_parameters():
+            local, row0 = shard_view(p)
+            fill_param(local, row0, p.shape, self.init_spec(name), seed, name)
+
+    def blocks(self) -> Iterator[Block]:
+        return iter(self.layers)
+
+
+def fill_param(
+    local: torch.Tensor, row0: int, full_shape: torch.Size, spec: InitSpec, seed: int, name: str
+) -> None:
+    """Fill `local` (rows row0.. of a tensor of `full_shape`) according to `spec`, shard-invariantly."""
+    kind = spec[0]
+    if kind == "ones":
+        local.fill_(1.0)
+        return
+    if kind == "zeros" or local.numel() == 0:
+        local.zero_()
+        return
+    std = spec[1]
+    row_numel = math.prod(full_shape[1:]) if len(full_shape) > 1 else 1
+    block = max(1, (1 << 20) // row_numel)  # rows per generator draw: a function of the shape only
+    n_rows = local.shape[0]
+    base = (seed * 1_000_003 + zlib.crc32(name.encode())) % (1 << 62)
+    gen = torch.Generator(device=local.device)
+    first, last = row0 // block, (row0 + n_rows - 1) // block
+    for b in range(first, last + 1):
+        lo, hi = b * block, min((b + 1) * block, full_shape[0])
+        gen.manual_seed(base + b)
+        vals = torch.randn((hi - lo, *full_shape[1:]), generator=gen, device=local.device, dtype=torch.float32)
+        a, z = max(lo, row0), min(hi, row0 + n_rows)
+        local[a - row0 : z - row0].copy_(vals[a - lo : z - lo].mul_(std))

@@ -1,0 +1,53 @@
+"""FSDP2: `fully_shard` each transformer block, then the root; shard-aware init and grad clipping."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def mp_policy(param_dtype: str, reduce_dtype: str) -> MixedPrecisionPolicy:
+    """bf16 params/compute with fp32 reduce is the usual; fp32 leaves everything in fp32."""
+    return MixedPrecisionPolicy(param_dtype=DTYPES[param_dtype], reduce_dtype=DTYPES[reduce_dtype])
+
+
+def apply_fsdp(model: nn.Module, mesh: DeviceMesh, mp: MixedPrecisionPolicy,
+               reshard_after_forward: bool = True) -> FSDPModule:
+    """Shard every block of `model.layers` as its own unit, then the root (embeddings, norm, head).
+
+    The last block keeps its parameters after forward: backward needs them at once, so
+    resharding would only cost an extra all-gather.
+    """
+    blocks = list(model.layers)
+    for i, block in enumerate(blocks):
+        fully_shard(block, mesh=mesh, mp_policy=mp,
+                    reshard_after_forward=reshard_after_forward and i < len(blocks) - 1)
+    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+    return model  # type: ignore[return-value]
+
+
+def shard_view(p: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """(local tensor, global index of its first row) of a dim-0 sharded DTensor, or (p, 0)."""
+    if not isinstance(p, DTensor):
+        return p, 0
+    local = p.to_local()
+    _, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+    return local, (offset[0] if len(offset) else 0)
+
+
+@torch.no_grad()
+def clip_grad_norm_(params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
+    """Global L2 norm of the (sharded) gradients, clipping them to `max_norm` when it is > 0."""
+    grads = [p.grad for p in params if p.grad is not None]
+    norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
+    if isinstance(norm, DTensor):  # partial sums over the shards -> one all-reduce
+        norm = norm.full_tensor()
+    if max_norm > 0:
+        torch.nn.utils.clip_grads_with_norm_(grads, max_norm, norm, foreach=True)
+    return norm

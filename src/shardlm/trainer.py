@@ -1,0 +1,180 @@
+"""Trainer: build the mesh, model, optimizer and data from a Config; run the loop."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from shardlm.config import Config, ConfigError, ShardlmError
+from shardlm.data import build_loader, load_tokenizer, resolve_files
+from shardlm.data.loader import IGNORE_INDEX, default_cache_dir
+from shardlm.generate import generate
+from shardlm.metrics import MetricsLogger, Throughput, memory_gib, peak_flops
+from shardlm.models import ModelConfig, Transformer, get_preset
+from shardlm.optim import build_lr_scheduler, build_optimizer
+from shardlm.parallel.fsdp import apply_fsdp, clip_grad_norm_, mp_policy, shard_view
+from shardlm.parallel.mesh import ParallelDims, dp_rank, init_distributed, launched_world_size
+
+
+class TrainingError(ShardlmError):
+    pass
+
+
+def build_model_config(cfg: Config, tokenizer_vocab: int) -> ModelConfig:
+    """The preset, with any model.* overrides, its RoPE table sized to data.seq_len."""
+    try:
+        base = get_preset(cfg.model.preset)
+    except KeyError as e:
+        raise ConfigError(f"model.preset: {e.args[0]}") from None
+    overrides = {k: v for k, v in dataclasses.asdict(cfg.model).items() if k != "preset" and v is not None}
+    try:
+        mc = dataclasses.replace(base, **overrides, max_seq_len=cfg.data.seq_len)
+    except ValueError as e:
+        raise ConfigError(f"model: {e}") from None
+    if tokenizer_vocab > mc.vocab_size:
+        raise ConfigError(f"the tokenizer has {tokenizer_vocab} tokens but the model's vocab_size is {mc.vocab_size}; "
+                          f"set --model.vocab_size={tokenizer_vocab} or use a matching tokenizer")
+    return mc
+
+
+def build_model(mc: ModelConfig, mesh, cfg: Config, device: torch.device) -> Transformer:
+    """Meta-device build -> fully_shard -> to_empty -> shard-invariant init (no rank holds it all)."""
+    with torch.device("meta"):
+        model = Transformer(mc)
+    mp = mp_policy(cfg.train.mixed_precision, cfg.train.reduce_dtype)
+    apply_fsdp(model, mesh, mp, cfg.parallel.reshard_after_forward)
+    model.to_empty(device=device)
+    model.init_weights(seed=cfg.train.seed, shard_view=shard_view)
+    return model
+
+
+def prepare_output_dir(cfg: Config, is_rank0: bool) -> Path:
+    """Create the run directory, write the resolved config; an earlier metrics.jsonl is kept aside."""
+    out = Path(cfg.train.output_dir)
+    if is_rank0:
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ConfigError(f"train.output_dir {str(out)!r} cannot be created: {e.strerror}") from None
+        old = out / "metrics.jsonl"
+        if old.exists():
+            old.rename(out / f"metrics.{time.strftime('%Y%m%d-%H%M%S', time.localtime(old.stat().st_mtime))}.jsonl")
+        (out / "config.toml").write_text(cfg.to_toml())
+    return out
+
+
+class Trainer:
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+        # Everything that can be wrong with the config fails here, before any collective.
+        self.dims = ParallelDims(cfg.parallel.dp_replicate, cfg.parallel.dp_shard, launched_world_size())
+        self.tokenizer = load_tokenizer(cfg.data.tokenizer)
+        self.model_cfg = build_model_config(cfg, self.tokenizer.vocab_size)
+        self.files = resolve_files(cfg.data.path)
+        self.env = init_distributed(cfg.train.device)
+        self.is_rank0 = self.env.rank == 0
+        torch.manual_seed(cfg.train.seed)
+        self.mesh = self.dims.build_mesh(self.env.device.type)
+        self.output_dir = prepare_output_dir(cfg, self.is_rank0)
+        self.loader, self.data_meta = self.build_data()
+        self.model = build_model(self.model_cfg, self.mesh, cfg, self.env.device)
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = build_optimizer(self.model, cfg.train, self.env.device)
+        self.scheduler = build_lr_scheduler(self.optimizer, cfg.train)
+        self.metrics = MetricsLogger(self.output_dir, cfg.train.steps, self.is_rank0, cfg.metrics.progress_bar,
+                                     cfg.metrics.tensorboard)
+        self.step = 0
+
+    def build_data(self):
+        d, t = self.cfg.data, self.cfg.train
+        cache = Path(d.cache_dir) if d.cache_dir else default_cache_dir()
+        return build_loader(self.files, self.tokenizer, d.text_field, cache, seq_len=d.seq_len,
+                            micro_batch_size=t.micro_batch_size, grad_accum=t.grad_accum,
+                            dp_rank=dp_rank(self.mesh), dp_size=self.dims.dp, seed=t.seed, shuffle=d.shuffle,
+                            is_builder=self.env.local_rank == 0, barrier=dist.barrier)
+
+    def train_step(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """One optimizer step over `grad_accum` micro-batches; returns (global mean loss, grad norm).
+
+        The loss is a mean over every target token of the global batch: each rank sums its token
+        losses and divides by the global token count (x dp, since FSDP averages gradients over dp).
+        Gradients are reduce-scattered only after the last micro-batch.
+        """
+        dev = self.env.device
+        n_tokens = torch.stack([(y != IGNORE_INDEX).sum() for _, y in batches]).sum().to(dev, torch.float32)
+        dist.all_reduce(n_tokens)
+        scale = self.dims.dp / n_tokens
+        loss_sum = torch.zeros((), device=dev)
+        for k, (x, y) in enumerate(batches):
+            self.model.set_requires_gradient_sync(k == len(batches) - 1)
+            x, y = x.to(dev, non_blocking=True), y.to(dev, non_blocking=True)
+            logits = self.model(x)
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten(), ignore_index=IGNORE_INDEX,
+                                   reduction="sum")
+            (loss * scale).backward()
+            loss_sum += loss.detach()
+        grad_norm = clip_grad_norm_(self.params, self.cfg.train.grad_clip)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return loss_sum / n_tokens, grad_norm
+
+    def train(self) -> list[dict]:
+        """Run to train.steps; returns the logged records (rank 0 has them all, others too)."""
+        t, log_every = self.cfg.train, self.cfg.metrics.log_every
+        tokens_per_step = self.loader.global_batch * self.cfg.data.seq_len
+        meter = Throughput(self.model_cfg.flops_per_token(self.cfg.data.seq_len), peak_flops(self.env.device),
+                           self.env.world_size)
+        self.announce(tokens_per_step)
+        records, start = [], time.perf_counter()
+        while self.step < t.steps:
+            lr = self.scheduler.get_last_lr()[0]
+            loss, grad_norm = self.train_step(self.loader.next_step())
+            self.step += 1
+            meter.add(tokens_per_step)
+            if self.step % log_every == 0 or self.step == t.steps:
+                dist.all_reduce(loss)  # each rank holds its share of the global mean
+                loss_v, gnorm_v = loss.item(), grad_norm.item()
+                if not math.isfinite(loss_v):
+                    raise TrainingError(f"loss is {loss_v} at step {self.step}; lower train.lr, enable "
+                                        "train.grad_clip or use train.mixed_precision=fp32")
+                tps, mfu = meter.measure()
+                rec = {"step": self.step, "loss": loss_v, "lr": lr, "grad_norm": gnorm_v, "tokens_per_sec": tps,
+                       "mfu": mfu, "mem_gib": memory_gib(self.env.device),
+                       "elapsed_s": time.perf_counter() - start}
+                records.append(rec)
+                self.metrics.log(rec)
+                self.metrics.advance(0, loss_v)
+            self.metrics.advance(1)
+        self.finish(records, time.perf_counter() - start)
+        return records
+
+    def announce(self, tokens_per_step: int) -> None:
+        d, mc, m = self.cfg.data, self.model_cfg, self.data_meta
+        mesh = " x ".join(f"{n}={s}" for n, s in zip(self.mesh.mesh_dim_names, self.mesh.shape))
+        self.metrics.write(
+            f"shardlm: {self.env.world_size} rank(s) on {self.env.device.type} ({self.env.backend}), mesh {mesh} | "
+            f"model {self.cfg.model.preset}: {mc.num_params() / 1e6:.2f}M params, {self.cfg.train.mixed_precision} | "
+            f"data {len(self.files)} files, {m['tokens'] / 1e6:.2f}M tokens, {self.loader.n_windows} sequences of "
+            f"{d.seq_len} | global batch {self.loader.global_batch} seqs = {tokens_per_step} tokens/step")
+
+    def finish(self, records: list[dict], elapsed: float) -> None:
+        t = self.cfg.train
+        if records:
+            self.metrics.write(f"done: {self.step} steps in {elapsed:.1f}s, loss {records[0]['loss']:.3f} -> "
+                               f"{records[-1]['loss']:.3f}; outputs in {self.output_dir}/ (config.toml, metrics.jsonl)")
+        if t.sample_tokens > 0:
+            ids = generate(self.model, self.tokenizer.encode(t.sample_prompt), t.sample_tokens,
+                           self.cfg.data.seq_len, seed=t.seed, device=self.env.device)
+            self.metrics.write("sample:\n" + self.tokenizer.decode(ids))
+        self.metrics.close()
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
