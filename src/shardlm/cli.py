@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 
@@ -56,6 +57,16 @@ def _presets() -> int:
     return 0
 
 
+def _report(line: str) -> None:
+    """Print on rank 0; under torchrun also hand the line to its failure summary (its error file)."""
+    if _rank0():
+        print(line, file=sys.stderr, flush=True)
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if error_file:
+        with open(error_file, "w") as f:
+            json.dump({"message": line}, f)
+
+
 def _error(msg: str):
     from shardlm.config import ConfigError
 
@@ -77,8 +88,7 @@ def main(argv: list[str] | None = None) -> int:
             return _presets()
         raise ConfigError(f"unknown command {cmd!r}; commands: train, presets")
     except ShardlmError as e:
-        if _rank0():
-            print(f"shardlm: error: {e}", file=sys.stderr, flush=True)
+        _report(f"shardlm: error: {e}")
         return 2 if isinstance(e, ConfigError) else 1
     except KeyboardInterrupt:
         return 130

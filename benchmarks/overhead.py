@@ -1,0 +1,238 @@
+"""How much does shardlm's training loop cost over a minimal hand-written FSDP2 loop?
+
+    torchrun --standalone --nproc_per_node 2 benchmarks/overhead.py [--steps N] [--rounds R] [--save]
+
+Both loops run in ONE process group, on the same 2 ranks, on the same model shape (configs/debug.toml:
+debug preset, fp32, seq_len 128, micro_batch_size 8, grad_accum 1) and on the same sequence of batches
+(two PackedLoaders over the same token file, same seed, same dp rank), CPU + gloo, one thread per rank.
+
+(A) shardlm: a `Trainer` built from configs/debug.toml (metrics.log_every=10 as shipped, progress bar
+    off). The timed region is one whole `Trainer.train()` call of N steps: data loading
+    (`PackedLoader.next_step`), the per-step token-count all-reduce, `set_requires_gradient_sync`,
+    forward/backward, shardlm's clip_grad_norm_ (norm all-reduce), AdamW, the LR scheduler, and every
+    log_every steps the loss all-reduce + .item() syncs + metrics.jsonl write + log line; plus train()'s
+    own announce/"done" lines. (Rank 0's log lines go to a file in the temp dir, not the terminal, to
+    keep this output readable; that is one flushed write() per line, as with a pipe.) Each round calls
+    train() again with train.steps raised by N; the LR schedule keeps the length of the whole
+    benchmark (its lambda holds the original TrainSection), so it is the schedule of one real run.
+(B) minimal: `Transformer` on meta, `fully_shard` each block then the root (same fp32
+    MixedPrecisionPolicy, same reshard_after_forward as shardlm: every block but the last, and the
+    root), `to_empty`, `init_weights`, `torch.optim.AdamW` (same lr/betas/eps/weight decay, decay on
+    matrices only, like shardlm), then per step: fetch the batch from its PackedLoader, forward,
+    F.cross_entropy mean, backward, torch.nn.utils.clip_grad_norm_ (same max norm), opt.step(),
+    opt.zero_grad(). No LR schedule, no logging, no token count.
+
+Both warm up for --warmup steps first (untimed). Then R rounds of N timed steps each, the order
+alternating A,B / B,A / ... to cancel drift on a noisy machine. Each timed region starts after a
+barrier; its time is the slowest rank's. tokens/s = N x global batch x seq_len / time. The ratio is
+the median of the per-round ratios A/B.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import gc
+import json
+import os
+import platform
+import shutil
+import statistics
+import sysconfig
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+from shardlm.config import load_config
+from shardlm.data import build_loader
+from shardlm.metrics import MetricsLogger
+from shardlm.models import Transformer
+from shardlm.parallel.fsdp import DTYPES, shard_view
+from shardlm.parallel.mesh import dp_rank
+from shardlm.trainer import Trainer
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG = ROOT / "configs" / "debug.toml"
+RESULT = Path(__file__).resolve().parent / "results" / "overhead_cpu.txt"
+TARGET = 0.97
+CORPUS_BYTES = 2 << 20
+
+
+def write_corpus(path: Path, n_bytes: int = CORPUS_BYTES) -> None:
+    """~n_bytes of the running Python's stdlib sources, one .jsonl record (document) per file."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    total = 0
+    with open(path, "w") as out:
+        for f in sorted(root.glob("*.py")) + sorted(root.glob("*/*.py")):
+            try:
+                text = f.read_text("utf-8")
+            except (UnicodeDecodeError, OSError):
+                continue
+            out.write(json.dumps({"text": text}) + "\n")
+            total += len(text.encode())
+            if total >= n_bytes:
+                break
+
+
+def shared_tmpdir() -> Path:
+    """Rank 0 makes the temp dir (and the corpus in it); every rank gets its path."""
+    obj = [None]
+    if dist.get_rank() == 0:
+        d = Path(tempfile.mkdtemp(prefix="shardlm-overhead-"))
+        write_corpus(d / "corpus.jsonl")
+        obj[0] = str(d)
+    dist.broadcast_object_list(obj, src=0)
+    return Path(obj[0])
+
+
+class Minimal:
+    """(B): the loop one would write by hand with FSDP2 and nothing else."""
+
+    def __init__(self, trainer: Trainer):
+        cfg, t = trainer.cfg, trainer.cfg.train
+        self.device = trainer.env.device
+        with torch.device("meta"):
+            model = Transformer(trainer.model_cfg)
+        mp = MixedPrecisionPolicy(param_dtype=DTYPES[t.mixed_precision], reduce_dtype=DTYPES[t.reduce_dtype])
+        reshard = cfg.parallel.reshard_after_forward
+        for i, block in enumerate(model.layers):
+            fully_shard(block, mesh=trainer.mesh, mp_policy=mp, reshard_after_forward=reshard and i < len(model.layers) - 1)
+        fully_shard(model, mesh=trainer.mesh, mp_policy=mp, reshard_after_forward=reshard)
+        model.to_empty(device=self.device)
+        model.init_weights(seed=t.seed, shard_view=shard_view)
+        self.model = model
+        decay = [p for p in model.parameters() if p.ndim >= 2]
+        no_decay = [p for p in model.parameters() if p.ndim < 2]
+        self.opt = torch.optim.AdamW([{"params": decay, "weight_decay": t.weight_decay},
+                                      {"params": no_decay, "weight_decay": 0.0}],
+                                     lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps)
+        self.max_norm = t.grad_clip
+        d = cfg.data
+        # Same token file (already cached by the Trainer), same seed, same dp rank: same batches as (A).
+        self.loader, _ = build_loader(trainer.files, trainer.tokenizer, d.text_field, Path(d.cache_dir),
+                                      seq_len=d.seq_len, micro_batch_size=t.micro_batch_size,
+                                      grad_accum=t.grad_accum, dp_rank=dp_rank(trainer.mesh),
+                                      dp_size=trainer.dims.dp, seed=t.seed, shuffle=d.shuffle,
+                                      is_builder=False, barrier=dist.barrier)
+
+    def run(self, steps: int) -> None:
+        for _ in range(steps):
+            (x, y), = self.loader.next_step()
+            x, y = x.to(self.device), y.to(self.device)
+            logits = self.model(x)
+            loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_norm)
+            self.opt.step()
+            self.opt.zero_grad()
+
+
+def run_shardlm(trainer: Trainer, base_cfg, steps: int, log) -> None:
+    """One real Trainer.train() call that runs `steps` more steps."""
+    trainer.cfg = dataclasses.replace(base_cfg, train=dataclasses.replace(base_cfg.train, steps=trainer.step + steps))
+    trainer.metrics = MetricsLogger(trainer.output_dir, trainer.cfg.train.steps, trainer.is_rank0,
+                                    base_cfg.metrics.progress_bar, base_cfg.metrics.tensorboard)
+    with contextlib.redirect_stdout(log):
+        trainer.train()
+
+
+def timed(fn) -> float:
+    """Seconds `fn()` takes on the slowest rank, starting from a barrier."""
+    gc.collect()
+    dist.barrier()
+    t0 = time.perf_counter()
+    fn()
+    dt = torch.tensor(time.perf_counter() - t0, dtype=torch.float64)
+    dist.all_reduce(dt, op=dist.ReduceOp.MAX)
+    return dt.item()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--steps", type=int, default=60, help="timed steps per round and per loop (default 60)")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds of A and B, order alternating (default 3)")
+    ap.add_argument("--warmup", type=int, default=10, help="untimed warmup steps of each loop (default 10)")
+    ap.add_argument("--save", action="store_true", help=f"also write the report to {RESULT.relative_to(ROOT)}")
+    args = ap.parse_args()
+
+    torch.set_num_threads(1)  # 2 ranks on 2 cores
+    dist.init_process_group("gloo")  # the Trainer joins this group (init_distributed sees it initialised)
+    rank0 = dist.get_rank() == 0
+    tmp = shared_tmpdir()
+    total = args.warmup + args.rounds * args.steps
+    cfg = load_config(CONFIG, [
+        "--model.preset=debug", "--train.mixed_precision=fp32", "--data.seq_len=128",
+        "--train.micro_batch_size=8", "--train.grad_accum=1", "--metrics.log_every=10",
+        "--metrics.progress_bar=false", "--train.device=cpu", f"--train.steps={total}",
+        f"--train.output_dir={tmp / 'run'}", f"--data.cache_dir={tmp / 'cache'}",
+        f"--data.path={tmp / 'corpus.jsonl'}",
+    ])
+    log = open(tmp / f"trainer-rank{dist.get_rank()}.log", "w")
+    trainer = Trainer(cfg)
+    minimal = Minimal(trainer)
+    tokens = args.steps * trainer.loader.global_batch * cfg.data.seq_len
+
+    run_shardlm(trainer, cfg, args.warmup, log)
+    minimal.run(args.warmup)
+
+    rows = []
+    for r in range(args.rounds):
+        order = "AB" if r % 2 == 0 else "BA"
+        secs = {}
+        for which in order:
+            if which == "A":
+                secs[which] = timed(lambda: run_shardlm(trainer, cfg, args.steps, log))
+            else:
+                secs[which] = timed(lambda: minimal.run(args.steps))
+        a, b = tokens / secs["A"], tokens / secs["B"]
+        rows.append((r + 1, ",".join(order), a, b, a / b))
+        if rank0:
+            print(f"round {r + 1}/{args.rounds} ({','.join(order)}): shardlm {a:,.0f} tok/s, "
+                  f"minimal {b:,.0f} tok/s, ratio {a / b:.3f}", flush=True)
+
+    mc = trainer.model_cfg
+    med_a = statistics.median(r[2] for r in rows)
+    med_b = statistics.median(r[3] for r in rows)
+    ratio = statistics.median(r[4] for r in rows)
+    lines = [
+        f"shardlm overhead benchmark: {dist.get_world_size()} ranks, {trainer.env.backend} on "
+        f"{trainer.env.device.type} ({platform.processor() or platform.machine()}, {os.cpu_count()} cores), "
+        f"{torch.get_num_threads()} thread/rank, torch {torch.__version__}",
+        f"model {cfg.model.preset} ({mc.num_params() / 1e6:.2f}M params, {cfg.train.mixed_precision}), "
+        f"seq_len {cfg.data.seq_len} x micro_batch {cfg.train.micro_batch_size} x dp {trainer.dims.dp} = "
+        f"{trainer.loader.global_batch * cfg.data.seq_len} tokens/step; "
+        f"{args.rounds} rounds x {args.steps} timed steps per loop, {args.warmup} warmup steps",
+        "A = shardlm Trainer.train() (data, token all-reduce, fwd/bwd, clip, AdamW, LR schedule, "
+        f"logging every {cfg.metrics.log_every})",
+        "B = minimal FSDP2 loop (data, fwd/bwd, clip_grad_norm_, AdamW)",
+        "",
+        f"{'round':>5}  {'order':>5}  {'A shardlm tok/s':>15}  {'B minimal tok/s':>15}  {'A/B':>6}",
+    ]
+    for n, order, a, b, q in rows:
+        lines.append(f"{n:>5}  {order:>5}  {a:>15,.0f}  {b:>15,.0f}  {q:>6.3f}")
+    lines.append(f"{'median':>5}  {'':>5}  {med_a:>15,.0f}  {med_b:>15,.0f}  {ratio:>6.3f}")
+    lines.append("")
+    lines.append(f"overhead: shardlm / minimal = {ratio:.2f}x (target >= {TARGET:.2f}x)")
+    if rank0:
+        text = "\n".join(lines) + "\n"
+        print("\n" + text, end="", flush=True)
+        if args.save:
+            RESULT.parent.mkdir(parents=True, exist_ok=True)
+            RESULT.write_text(text)
+            print(f"saved to {RESULT.relative_to(ROOT)}", flush=True)
+
+    log.close()
+    dist.barrier()
+    if rank0:
+        shutil.rmtree(tmp, ignore_errors=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

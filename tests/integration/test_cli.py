@@ -1,0 +1,90 @@
+"""The real CLI: `shardlm train` alone and under torchrun on the debug model."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from shardlm.config import load_config
+from shardlm.metrics import FIELDS
+
+ROOT = Path(__file__).resolve().parents[2]
+DEBUG = str(ROOT / "configs" / "debug.toml")
+
+
+def _run(args: list[str], torchrun: int = 0, timeout: int = 300) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={torchrun}"] \
+        if torchrun else [sys.executable]
+    return subprocess.run(launcher + ["-m", "shardlm", *args], capture_output=True, text=True, env=env,
+                          timeout=timeout, cwd=ROOT)
+
+
+def _small(tmp_path: Path, corpus: Path) -> list[str]:
+    return [f"--data.path={corpus}", "--data.seq_len=64", f"--data.cache_dir={tmp_path / 'cache'}",
+            "--train.micro_batch_size=4", f"--train.output_dir={tmp_path / 'run'}"]
+
+
+@pytest.mark.slow
+def test_torchrun_two_ranks_trains_and_writes_outputs(tmp_path, corpus):
+    p = _run(["train", "--config", DEBUG, *_small(tmp_path, corpus), "--train.steps=40", "--metrics.log_every=5",
+              "--train.warmup_steps=5", "--train.sample_tokens=20"], torchrun=2)
+    assert p.returncode == 0, p.stderr[-3000:]
+    run = tmp_path / "run"
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(5, 41, 5))
+    for r in records:
+        assert set(r) == set(FIELDS)
+        assert r["mfu"] is None and r["tokens_per_sec"] > 0 and r["mem_gib"] > 0 and r["grad_norm"] > 0
+    assert records[-1]["loss"] < records[0]["loss"] - 0.5, [r["loss"] for r in records]
+    resolved = load_config(run / "config.toml")
+    assert resolved.train.steps == 40 and resolved.data.seq_len == 64
+    assert "2 rank(s) on cpu (gloo), mesh dp_shard=2" in p.stdout
+    assert "sample:" in p.stdout and f"outputs in {run}" in p.stdout
+
+
+def test_single_process_run(tmp_path, corpus):
+    p = _run(["train", "--config", DEBUG, *_small(tmp_path, corpus), "--train.steps=4", "--metrics.log_every=2"])
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert len((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()) == 2
+
+
+@pytest.mark.parametrize("override, needle", [
+    ("--train.stepz=5", "unknown config key 'train.stepz'; did you mean 'train.steps'?"),
+    ("--train.steps=abc", "train.steps expects int, got 'abc'"),
+    ("--model.preset=llama9", "unknown model preset 'llama9'; valid presets: debug, llama3_1b"),
+    ("--parallel.dp_shard=2", "mesh parallel.dp_replicate=1 x parallel.dp_shard=2 = 2 ranks, but the world size is 1"),
+])
+def test_bad_input_is_one_clear_line(tmp_path, corpus, override, needle):
+    p = _run(["train", "--config", DEBUG, *_small(tmp_path, corpus), override])
+    assert p.returncode != 0
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("shardlm: error: ") and needle in lines[0], p.stderr
+
+
+def test_missing_data_is_one_clear_line(tmp_path, corpus):
+    p = _run(["train", "--config", DEBUG, *_small(tmp_path, corpus), f"--data.path={tmp_path / 'none.txt'}"])
+    assert p.returncode != 0 and p.stderr.strip().splitlines() == [
+        f"shardlm: error: data.path '{tmp_path / 'none.txt'}' does not exist; pass a .txt/.jsonl file, a directory, "
+        "a glob or builtin:stdlib"]
+
+
+@pytest.mark.slow
+def test_torchrun_mesh_that_does_not_fit(tmp_path, corpus):
+    p = _run(["train", "--config", DEBUG, *_small(tmp_path, corpus), "--parallel.dp_replicate=2",
+              "--parallel.dp_shard=2"], torchrun=2)
+    assert p.returncode != 0
+    msg = "mesh parallel.dp_replicate=2 x parallel.dp_shard=2 = 4 ranks, but the world size is 2"
+    assert msg in p.stderr
+    assert "shardlm/" not in p.stderr.split("Traceback")[0]  # no traceback from our code
+    assert not (tmp_path / "run").exists()  # failed before touching the output dir
+
+
+def test_help_lists_config_keys():
+    p = _run(["train", "--help"])
+    assert p.returncode == 0 and "train.micro_batch_size" in p.stdout and "Sequences per rank" in p.stdout

@@ -1,0 +1,98 @@
+from __future__ import annotations
+
+import pytest
+
+from shardlm.config import Config, ConfigError, describe, load_config, parse_overrides
+from shardlm.models import PRESETS
+from shardlm.trainer import build_model_config
+
+
+def test_defaults_toml_and_overrides_compose(tmp_path):
+    f = tmp_path / "c.toml"
+    f.write_text('[train]\nsteps = 7\nlr = 1e-3\n[data]\nseq_len = 64\n')
+    cfg = load_config(f, ["--train.steps=9", "--parallel.dp_replicate", "2", "--metrics.tensorboard=true",
+                          "--model.n_layers=3"])
+    assert (cfg.train.steps, cfg.train.lr, cfg.data.seq_len) == (9, 1e-3, 64)
+    assert cfg.parallel.dp_replicate == 2 and cfg.metrics.tensorboard is True and cfg.model.n_layers == 3
+    assert cfg.train.micro_batch_size == Config().train.micro_batch_size
+
+
+def test_resolved_config_round_trips_through_toml(tmp_path):
+    cfg = load_config(None, ["--train.steps=5", "--train.output_dir=x", "--data.path=a.txt"])
+    f = tmp_path / "resolved.toml"
+    f.write_text(cfg.to_toml())
+    assert load_config(f).to_dict() == cfg.to_dict()
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--train.stepz=5"], "unknown config key 'train.stepz'; did you mean 'train.steps'?"),
+    (["--trian.steps=5"], "unknown config section 'trian'; did you mean 'train'?"),
+    (["--train.steps=five"], "train.steps expects int, got 'five'"),
+    (["--train.lr=fast"], "train.lr expects float"),
+    (["--train.mixed_precision=fp16"], "train.mixed_precision must be one of 'bf16', 'fp32'"),
+    (["--metrics.tensorboard=maybe"], "metrics.tensorboard expects bool"),
+    (["--train.steps=0"], "train.steps must be >= 1"),
+    (["--parallel.dp_shard=0"], "parallel.dp_shard must be >= 1 or -1"),
+    (["--train.steps"], "has no value"),
+    (["steps=5"], "unexpected argument"),
+])
+def test_bad_overrides_are_one_clear_line(args, needle):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, args)
+    assert needle in str(e.value) and "\n" not in str(e.value)
+
+
+def test_bad_toml_types_and_keys(tmp_path):
+    f = tmp_path / "c.toml"
+    f.write_text('[train]\nsteps = "10"\n')
+    with pytest.raises(ConfigError, match="train.steps expects int, got '10'"):
+        load_config(f)
+    f.write_text('[train]\nlearning_rate = 1.0\n')
+    with pytest.raises(ConfigError, match="unknown config key 'train.learning_rate'"):
+        load_config(f)
+    f.write_text('[train\nsteps = 1\n')
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_config(f)
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(tmp_path / "missing.toml")
+
+
+def test_int_accepted_for_float_but_not_bool_for_int(tmp_path):
+    f = tmp_path / "c.toml"
+    f.write_text("[train]\nlr = 1\n")
+    assert load_config(f).train.lr == 1.0
+    f.write_text("[train]\nsteps = true\n")
+    with pytest.raises(ConfigError, match="expects int"):
+        load_config(f)
+
+
+def test_unknown_preset_lists_valid_ones():
+    cfg = load_config(None, ["--model.preset=llama3_7b"])
+    with pytest.raises(ConfigError) as e:
+        build_model_config(cfg, 257)
+    assert "unknown model preset 'llama3_7b'" in str(e.value)
+    for name in ("debug", "llama3_8b", "qwen3_0_6b"):
+        assert name in str(e.value)
+
+
+def test_model_overrides_and_vocab_check():
+    cfg = load_config(None, ["--model.preset=llama3_8b", "--model.n_layers=2", "--data.seq_len=256"])
+    mc = build_model_config(cfg, 1000)
+    assert mc.n_layers == 2 and mc.dim == PRESETS["llama3_8b"].dim and mc.max_seq_len == 256
+    with pytest.raises(ConfigError, match="tokenizer has 400 tokens but the model's vocab_size is 320"):
+        build_model_config(load_config(None, []), 400)
+    with pytest.raises(ConfigError, match="multiple of n_kv_heads"):
+        build_model_config(load_config(None, ["--model.n_kv_heads=3"]), 257)
+
+
+def test_parse_overrides_forms():
+    assert parse_overrides(["--a.b=1", "--c.d", "x=y"]) == [("a.b", "1"), ("c.d", "x=y")]
+
+
+def test_describe_documents_every_key():
+    text = describe()
+    for key in ("model.preset", "train.steps", "train.output_dir", "train.seed", "train.micro_batch_size",
+                "train.grad_accum", "train.mixed_precision", "train.lr", "train.warmup_steps",
+                "parallel.dp_shard", "parallel.dp_replicate", "data.path", "data.seq_len", "data.tokenizer",
+                "metrics.log_every"):
+        assert f"  {key} = " in text
