@@ -20,7 +20,7 @@ def _rank0() -> bool:
 
 
 def _train(args: list[str]) -> int:
-    from shardlm.config import describe, load_config
+    from shardlm.config import ConfigError, describe, load_config
 
     if "-h" in args or "--help" in args:
         print("usage: shardlm train [--config FILE] [--section.key=value ...]\n\nconfig keys:\n" + describe())
@@ -29,7 +29,7 @@ def _train(args: list[str]) -> int:
     if "--config" in args:
         i = args.index("--config")
         if i + 1 >= len(args):
-            raise _error("--config needs a file path")
+            raise ConfigError("--config needs a file path")
         config, args = args[i + 1], args[:i] + args[i + 2:]
     elif any(a.startswith("--config=") for a in args):
         config = next(a for a in args if a.startswith("--config="))[len("--config="):]
@@ -65,12 +65,6 @@ def _report(line: str) -> None:
     if error_file:
         with open(error_file, "w") as f:
             json.dump({"message": line}, f)
-
-
-def _error(msg: str):
-    from shardlm.config import ConfigError
-
-    return ConfigError(msg)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -30,10 +30,16 @@ class ConfigError(ShardlmError):
     pass
 
 
-def _f(default: Any, doc: str, **kw: Any) -> Any:
+def _f(default: Any, doc: str, key: str | None = None) -> Any:
+    """A documented field; `key` is its config name when that can't be a Python name (`async`)."""
+    meta = {"doc": doc, "key": key} if key else {"doc": doc}
     if isinstance(default, (list, dict)):
-        return field(default_factory=lambda: type(default)(default), metadata={"doc": doc}, **kw)
-    return field(default=default, metadata={"doc": doc}, **kw)
+        return field(default_factory=lambda: type(default)(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+def _key(f: dataclasses.Field) -> str:
+    return f.metadata.get("key", f.name)
 
 
 @dataclass
@@ -100,15 +106,34 @@ class MetricsSection:
 
 
 @dataclass
+class CheckpointSection:
+    interval: int = _f(0, "Save a checkpoint every N steps; 0 = only at the end (and on SIGTERM).")
+    keep_last: int = _f(3, "Keep the newest N complete checkpoints, prune older ones; 0 = keep all.")
+    async_: bool = _f(False, "Save with DCP async_save: training goes on while the checkpoint is written "
+                      "(from a copy taken at the step, over a gloo group of its own).", key="async")
+    resume: str = _f("auto", "`auto` = the newest complete checkpoint in the checkpoint folder (if any), a path "
+                     "to a checkpoint, or `none` (start fresh).")
+    model_only: bool = _f(False, "Let the final checkpoint hold the model only (for export); periodic ones stay full.")
+    save_final: bool = _f(True, "Save a checkpoint when training ends.")
+    dir: str = _f("", "Checkpoint folder; empty = <train.output_dir>/checkpoints.")
+    preempt_grace_s: float = _f(
+        25.0, "On SIGTERM every rank finishes its step, saves and exits 0; past this many seconds it gives up "
+        "(exit 1) and the last complete checkpoint stands. Keep it under the launcher's kill timeout.")
+
+
+@dataclass
 class Config:
     model: ModelSection = field(default_factory=ModelSection)
     parallel: ParallelSection = field(default_factory=ParallelSection)
     train: TrainSection = field(default_factory=TrainSection)
     data: DataSection = field(default_factory=DataSection)
     metrics: MetricsSection = field(default_factory=MetricsSection)
+    checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
-        return {s.name: {k: v for k, v in dataclasses.asdict(getattr(self, s.name)).items() if v is not None}
+        return {s.name: {_key(f): getattr(getattr(self, s.name), f.name)
+                         for f in dataclasses.fields(getattr(self, s.name))
+                         if getattr(getattr(self, s.name), f.name) is not None}
                 for s in dataclasses.fields(self)}
 
     def to_toml(self) -> str:
@@ -122,7 +147,7 @@ def _sections() -> dict[str, type]:
 
 
 def _fields(section_cls: type) -> dict[str, dataclasses.Field]:
-    return {f.name: f for f in dataclasses.fields(section_cls)}
+    return {_key(f): f for f in dataclasses.fields(section_cls)}
 
 
 def _unknown(kind: str, name: str, valid: list[str]) -> ConfigError:
@@ -262,6 +287,11 @@ def validate(cfg: Config) -> None:
     for key, v in (("train.beta1", t.beta1), ("train.beta2", t.beta2)):
         if not 0.0 <= v < 1.0:
             raise ConfigError(f"{key} must be in [0, 1), got {v}")
+    c = cfg.checkpoint
+    for key, v in (("checkpoint.interval", c.interval), ("checkpoint.keep_last", c.keep_last),
+                   ("checkpoint.preempt_grace_s", c.preempt_grace_s)):
+        if v < 0:
+            raise ConfigError(f"{key} must be >= 0, got {v}")
     if not t.output_dir:
         raise ConfigError("train.output_dir must not be empty")
 
@@ -276,6 +306,6 @@ def describe() -> str:
             base, optional = _type_args(hints[f.name])
             tname = (" | ".join(map(repr, typing.get_args(base))) if typing.get_origin(base) is Literal
                      else base.__name__) + (" | none" if optional else "")
-            lines.append(f"  {name}.{f.name} = {f.default!r}  ({tname})")
+            lines.append(f"  {name}.{_key(f)} = {f.default!r}  ({tname})")
             lines.append(f"      {f.metadata['doc']}")
     return "\n".join(lines)

@@ -84,9 +84,10 @@ class MetricsLogger:
                 f"mem {record['mem_gib']:.2f} GiB")
         self.write(line)
 
-    def advance(self, n: int = 1, loss: float | None = None) -> None:
+    def advance(self, loss: float | None = None) -> None:
+        """One step done; `loss` (when this step was logged) goes into the bar's postfix."""
         if self.bar is not None:
-            self.bar.update(n)
+            self.bar.update(1)
             if loss is not None:
                 self.bar.set_postfix(loss=f"{loss:.4f}")
 

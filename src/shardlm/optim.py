@@ -37,5 +37,14 @@ def lr_factor(step: int, t: TrainSection) -> float:
     return t.min_lr_ratio + (1.0 - t.min_lr_ratio) * shape
 
 
-def build_lr_scheduler(opt: torch.optim.Optimizer, t: TrainSection) -> LambdaLR:
-    return LambdaLR(opt, lambda step: lr_factor(step, t))
+def build_lr_scheduler(opt: torch.optim.Optimizer, t: TrainSection, last_step: int = 0) -> LambdaLR:
+    """The schedule positioned at `last_step` optimizer steps done (0 = fresh; > 0 after a resume)."""
+    for group in opt.param_groups:  # the schedule follows train.lr, also after a resume that changed it
+        group["initial_lr"] = t.lr
+    sched = LambdaLR(opt, lambda step: lr_factor(step, t))
+    if last_step:
+        sched.last_epoch = last_step
+        for group in opt.param_groups:
+            group["lr"] = t.lr * lr_factor(last_step, t)
+        sched._last_lr = [g["lr"] for g in opt.param_groups]
+    return sched

@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
+import os
+import signal
+import threading
 import time
 from pathlib import Path
 
@@ -11,6 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from shardlm.checkpoint import Checkpointer
 from shardlm.config import Config, ConfigError, ShardlmError
 from shardlm.data import build_loader, load_tokenizer, resolve_files
 from shardlm.data.loader import IGNORE_INDEX, default_cache_dir
@@ -55,18 +60,57 @@ def build_model(mc: ModelConfig, mesh, cfg: Config, device: torch.device) -> Tra
 
 
 def prepare_output_dir(cfg: Config, is_rank0: bool) -> Path:
-    """Create the run directory, write the resolved config; an earlier metrics.jsonl is kept aside."""
+    """Create the run directory and write the resolved config."""
     out = Path(cfg.train.output_dir)
     if is_rank0:
         try:
             out.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise ConfigError(f"train.output_dir {str(out)!r} cannot be created: {e.strerror}") from None
-        old = out / "metrics.jsonl"
-        if old.exists():
-            old.rename(out / f"metrics.{time.strftime('%Y%m%d-%H%M%S', time.localtime(old.stat().st_mtime))}.jsonl")
         (out / "config.toml").write_text(cfg.to_toml())
     return out
+
+
+def prepare_metrics_file(out: Path, resumed_step: int | None) -> None:
+    """Fresh run: keep an earlier metrics.jsonl aside. Resumed: drop the records after the checkpoint
+    (the resumed run logs those steps again)."""
+    path = out / "metrics.jsonl"
+    if not path.exists():
+        return
+    if resumed_step is None:
+        stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(path.stat().st_mtime))
+        path.rename(out / f"metrics.{stamp}.jsonl")
+        return
+    keep = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= resumed_step]
+    path.write_text("".join(line + "\n" for line in keep))
+
+
+class Preemption:
+    """SIGTERM (SLURM, Kubernetes, torchrun) -> finish the step, save, exit 0, within a grace period."""
+
+    def __init__(self, grace_s: float, log):
+        self.grace_s, self.log, self.requested = grace_s, log, False
+        self._old = None
+        if threading.current_thread() is threading.main_thread():
+            self._old = signal.signal(signal.SIGTERM, self._handle)
+
+    def uninstall(self) -> None:
+        if self._old is not None:
+            signal.signal(signal.SIGTERM, self._old)
+            self._old = None
+
+    def _handle(self, signum, frame) -> None:
+        if self.requested:
+            return
+        self.requested = True
+        timer = threading.Timer(self.grace_s, self._give_up)
+        timer.daemon = True
+        timer.start()
+
+    def _give_up(self) -> None:
+        self.log(f"preemption: no checkpoint within checkpoint.preempt_grace_s={self.grace_s}s; exiting, "
+                 "the last complete checkpoint stands")
+        os._exit(1)
 
 
 class Trainer:
@@ -78,6 +122,8 @@ class Trainer:
         self.model_cfg = build_model_config(cfg, self.tokenizer.vocab_size)
         self.files = resolve_files(cfg.data.path)
         self.env = init_distributed(cfg.train.device)
+        # From here on a SIGTERM is a request to checkpoint and stop, honoured after the next step.
+        self.preemption = Preemption(cfg.checkpoint.preempt_grace_s, self.log)
         self.is_rank0 = self.env.rank == 0
         torch.manual_seed(cfg.train.seed)
         self.mesh = self.dims.build_mesh(self.env.device.type)
@@ -86,10 +132,56 @@ class Trainer:
         self.model = build_model(self.model_cfg, self.mesh, cfg, self.env.device)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = build_optimizer(self.model, cfg.train, self.env.device)
-        self.scheduler = build_lr_scheduler(self.optimizer, cfg.train)
-        self.metrics = MetricsLogger(self.output_dir, cfg.train.steps, self.is_rank0, cfg.metrics.progress_bar,
-                                     cfg.metrics.tensorboard)
+        self.checkpointer = Checkpointer(cfg.checkpoint, self.checkpoint_dir, self.env.rank, log=self.log)
         self.step = 0
+        self.step = self.resume()
+        self.scheduler = build_lr_scheduler(self.optimizer, cfg.train, last_step=self.step)
+        if self.is_rank0:
+            prepare_metrics_file(self.output_dir, self.step if self.resumed_from else None)
+        self.metrics = MetricsLogger(self.output_dir, cfg.train.steps, self.is_rank0, cfg.metrics.progress_bar,
+                                     cfg.metrics.tensorboard, start_step=self.step)
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        c = self.cfg.checkpoint
+        return Path(c.dir) if c.dir else self.output_dir / "checkpoints"
+
+    def log(self, line: str) -> None:
+        """A line on rank 0 (through the progress bar once there is one)."""
+        metrics = getattr(self, "metrics", None)
+        if metrics is not None:
+            metrics.write(line)
+        elif self.is_rank0:
+            print(line, flush=True)
+
+    # -- checkpoint state ------------------------------------------------------------------------
+    def trainer_state(self) -> dict[str, torch.Tensor]:
+        """What the checkpoint holds besides model and optimizer (tensors, so DCP needs no pickles)."""
+        state = {"step": torch.tensor(self.step), "samples_seen": torch.tensor(self.loader.samples_seen),
+                 "rng_cpu": torch.get_rng_state()}
+        if self.env.device.type == "cuda":
+            state["rng_cuda"] = torch.cuda.get_rng_state(self.env.device)
+        return state
+
+    def resume(self) -> int:
+        """Load the checkpoint that checkpoint.resume names (or auto-finds); returns the step to start at."""
+        state = self.trainer_state()
+        self.resumed_from = self.checkpointer.load(self.model, self.optimizer, state)
+        if self.resumed_from is None:
+            return 0
+        self.loader.load_state_dict({"samples_seen": int(state["samples_seen"])})
+        torch.set_rng_state(state["rng_cpu"])
+        if "rng_cuda" in state:
+            torch.cuda.set_rng_state(state["rng_cuda"], self.env.device)
+        step = int(state["step"])
+        self.log(f"checkpoint: resumed from {self.resumed_from} at step {step} "
+                 f"({self.loader.samples_seen} samples consumed)")
+        return step
+
+    def save(self, final: bool = False, blocking: bool = False) -> None:
+        model_only = final and self.cfg.checkpoint.model_only
+        self.checkpointer.save(self.step, self.model, None if model_only else self.optimizer, self.trainer_state(),
+                               blocking=blocking or final)
 
     def build_data(self):
         d, t = self.cfg.data, self.cfg.train
@@ -99,16 +191,20 @@ class Trainer:
                             dp_rank=dp_rank(self.mesh), dp_size=self.dims.dp, seed=t.seed, shuffle=d.shuffle,
                             is_builder=self.env.local_rank == 0, barrier=dist.barrier)
 
-    def train_step(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
-        """One optimizer step over `grad_accum` micro-batches; returns (global mean loss, grad norm).
+    def train_step(self, batches: list[tuple[torch.Tensor, torch.Tensor]],
+                   stop_requested: bool = False) -> tuple[torch.Tensor, torch.Tensor, bool]:
+        """One optimizer step over `grad_accum` micro-batches -> (global mean loss, grad norm, stop?).
 
         The loss is a mean over every target token of the global batch: each rank sums its token
         losses and divides by the global token count (x dp, since FSDP averages gradients over dp).
-        Gradients are reduce-scattered only after the last micro-batch.
+        Gradients are reduce-scattered only after the last micro-batch. A rank's stop request
+        (SIGTERM) rides on the same all-reduce, so all ranks stop after the same step.
         """
         dev = self.env.device
-        n_tokens = torch.stack([(y != IGNORE_INDEX).sum() for _, y in batches]).sum().to(dev, torch.float32)
-        dist.all_reduce(n_tokens)
+        n_tokens = torch.stack([(y != IGNORE_INDEX).sum() for _, y in batches]).sum().to(torch.float32)
+        counts = torch.stack([n_tokens, torch.tensor(float(stop_requested))]).to(dev)
+        dist.all_reduce(counts)
+        n_tokens, stop = counts[0], counts[1]
         scale = self.dims.dp / n_tokens
         loss_sum = torch.zeros((), device=dev)
         for k, (x, y) in enumerate(batches):
@@ -123,36 +219,49 @@ class Trainer:
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return loss_sum / n_tokens, grad_norm
+        return loss_sum / n_tokens, grad_norm, bool(stop > 0)
 
     def train(self) -> list[dict]:
-        """Run to train.steps; returns the logged records (rank 0 has them all, others too)."""
-        t, log_every = self.cfg.train, self.cfg.metrics.log_every
+        """Run to train.steps (or until SIGTERM); returns the records logged by this process."""
+        t, c, log_every = self.cfg.train, self.cfg.checkpoint, self.cfg.metrics.log_every
         tokens_per_step = self.loader.global_batch * self.cfg.data.seq_len
         meter = Throughput(self.model_cfg.flops_per_token(self.cfg.data.seq_len), peak_flops(self.env.device),
                            self.env.world_size)
         self.announce(tokens_per_step)
-        records, start = [], time.perf_counter()
-        while self.step < t.steps:
+        if self.step >= t.steps:
+            self.log(f"nothing to do: the checkpoint is at step {self.step} and train.steps={t.steps}; "
+                     "raise train.steps to train further")
+        records, start, stopped = [], time.perf_counter(), False
+        while self.step < t.steps and not stopped:
             lr = self.scheduler.get_last_lr()[0]
-            loss, grad_norm = self.train_step(self.loader.next_step())
+            loss, grad_norm, stopped = self.train_step(self.loader.next_step(), self.preemption.requested)
             self.step += 1
             meter.add(tokens_per_step)
-            if self.step % log_every == 0 or self.step == t.steps:
+            self.checkpointer.poll()
+            log_now = self.step % log_every == 0 or self.step == t.steps
+            save_now = (stopped or (self.step == t.steps and c.save_final)
+                        or (c.interval > 0 and self.step % c.interval == 0))
+            loss_v = None
+            if log_now or save_now:
                 dist.all_reduce(loss)  # each rank holds its share of the global mean
-                loss_v, gnorm_v = loss.item(), grad_norm.item()
-                if not math.isfinite(loss_v):
+                loss_v = loss.item()
+                if not math.isfinite(loss_v):  # checked before any save: never checkpoint a NaN
                     raise TrainingError(f"loss is {loss_v} at step {self.step}; lower train.lr, enable "
                                         "train.grad_clip or use train.mixed_precision=fp32")
+            if log_now:
                 tps, mfu = meter.measure()
-                rec = {"step": self.step, "loss": loss_v, "lr": lr, "grad_norm": gnorm_v, "tokens_per_sec": tps,
-                       "mfu": mfu, "mem_gib": memory_gib(self.env.device),
+                rec = {"step": self.step, "loss": loss_v, "lr": lr, "grad_norm": grad_norm.item(),
+                       "tokens_per_sec": tps, "mfu": mfu, "mem_gib": memory_gib(self.env.device),
                        "elapsed_s": time.perf_counter() - start}
                 records.append(rec)
                 self.metrics.log(rec)
-                self.metrics.advance(0, loss_v)
-            self.metrics.advance(1)
-        self.finish(records, time.perf_counter() - start)
+            self.metrics.advance(loss_v)
+            if save_now:
+                self.save(final=self.step == t.steps, blocking=stopped)
+        self.checkpointer.wait()
+        if stopped:
+            self.log(f"preempted (SIGTERM): checkpoint at step {self.step} saved; exiting cleanly")
+        self.finish(records, time.perf_counter() - start, sample=not stopped)
         return records
 
     def announce(self, tokens_per_step: int) -> None:
@@ -164,17 +273,19 @@ class Trainer:
             f"data {len(self.files)} files, {m['tokens'] / 1e6:.2f}M tokens, {self.loader.n_windows} sequences of "
             f"{d.seq_len} | global batch {self.loader.global_batch} seqs = {tokens_per_step} tokens/step")
 
-    def finish(self, records: list[dict], elapsed: float) -> None:
+    def finish(self, records: list[dict], elapsed: float, sample: bool = True) -> None:
         t = self.cfg.train
         if records:
             self.metrics.write(f"done: {self.step} steps in {elapsed:.1f}s, loss {records[0]['loss']:.3f} -> "
                                f"{records[-1]['loss']:.3f}; outputs in {self.output_dir}/ (config.toml, metrics.jsonl)")
-        if t.sample_tokens > 0:
+        if sample and t.sample_tokens > 0:
             ids = generate(self.model, self.tokenizer.encode(t.sample_prompt), t.sample_tokens,
                            self.cfg.data.seq_len, seed=t.seed, device=self.env.device)
             self.metrics.write("sample:\n" + self.tokenizer.decode(ids))
         self.metrics.close()
 
     def close(self) -> None:
+        self.preemption.uninstall()
+        self.checkpointer.close()
         if dist.is_initialized():
             dist.destroy_process_group()

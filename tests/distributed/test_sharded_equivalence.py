@@ -50,6 +50,7 @@ def results(tmp_path_factory, corpus):
     one = run_ranks(1, train_runs, {
         "1rank": _overrides(tmp, corpus, "1rank", mbs=4, accum=1),
         "1rank_accum4": _overrides(tmp, corpus, "1rank_accum4", mbs=1, accum=4),
+        "1rank_again": _overrides(tmp, corpus, "1rank_again", mbs=4, accum=1),
     })
     two = run_ranks(2, train_runs, {
         "fsdp2": _overrides(tmp, corpus, "fsdp2", mbs=2, accum=1),
@@ -81,6 +82,11 @@ def test_sharded_losses_equal_one_rank(results, tag):
 def test_accumulation_equals_bigger_batch(results, tag):
     _assert_same(results["1rank"]["loss"], results[tag]["loss"], f"{tag} loss")
     _assert_same(results["1rank"]["grad_norm"], results[tag]["grad_norm"], f"{tag} grad norm")
+
+
+def test_same_seed_same_run_bitwise(results):
+    assert results["1rank_again"]["loss"] == results["1rank"]["loss"]
+    assert results["1rank_again"]["weights"] == results["1rank"]["weights"]
 
 
 def test_loss_falls(results):

@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 import zlib
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -264,9 +264,6 @@ class Transformer(nn.Module):
         for name, p in self.named_parameters():
             local, row0 = shard_view(p)
             fill_param(local, row0, p.shape, self.init_spec(name), seed, name)
-
-    def blocks(self) -> Iterator[Block]:
-        return iter(self.layers)
 
 
 def fill_param(

@@ -1,0 +1,214 @@
+"""Checkpointer: sharded DCP save/load that never gathers the full model, atomic, async, resumable.
+
+A checkpoint is `<dir>/step-N/`, a DCP directory holding
+  model.*    the model's sharded state dict (`get_state_dict`: DTensor shards, one file per rank)
+  optim.*    the optimizer's (AdamW moments and step, keyed by parameter name: reshardable)
+  trainer.*  step, samples consumed by the data loader, RNG state
+It is written as `<dir>/.step-N.partial/` and renamed to `step-N` by rank 0 only once DCP has
+written the metadata, i.e. after every rank's shards are on disk. Anything named `.step-*` is
+therefore incomplete: `resume=auto` ignores it and rank 0 deletes it.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import time
+from concurrent.futures import Future
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.planner import ReadItem
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict, set_state_dict
+
+from shardlm.config import CheckpointSection, ShardlmError
+
+_STEP_RE = re.compile(r"^step-(\d+)$")
+METADATA = ".metadata"
+
+
+class CheckpointError(ShardlmError):
+    pass
+
+
+def step_of(path: Path) -> int | None:
+    m = _STEP_RE.match(path.name)
+    return int(m.group(1)) if m else None
+
+
+def complete_checkpoints(folder: Path) -> list[Path]:
+    """Complete checkpoints in `folder`, oldest first."""
+    if not folder.is_dir():
+        return []
+    found = [p for p in folder.iterdir() if step_of(p) is not None and (p / METADATA).is_file()]
+    return sorted(found, key=step_of)
+
+
+def read_keys(path: Path) -> set[str]:
+    """The flattened state-dict keys a checkpoint holds; a clear error when it isn't a DCP checkpoint."""
+    if not (path / METADATA).is_file():
+        raise CheckpointError(f"{path} is not a complete checkpoint (no {METADATA}); pass a step-N directory "
+                              "that finished saving, or checkpoint.resume=auto")
+    try:
+        return set(dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata)
+    except Exception as e:  # a truncated or foreign metadata file
+        raise CheckpointError(f"{path}: unreadable checkpoint metadata ({type(e).__name__}: {e})") from None
+
+
+def _first_failure(e: BaseException) -> str:
+    """One line for a load failure; DCP wraps each rank's error in CheckpointException.failures."""
+    failures = getattr(e, "failures", None)
+    if failures:
+        e = next(iter(failures.values()))
+        e = e[0] if isinstance(e, tuple) else e  # (exception, traceback summary)
+    return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """DCP's planner, but non-tensor values (optimizer hyperparameters) are read with
+    `torch.load(weights_only=True)`: plain numbers and containers, never arbitrary pickles."""
+
+    def load_bytes(self, read_item: ReadItem, value) -> None:
+        obj = torch.load(value, weights_only=True)
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = obj
+
+
+class Checkpointer:
+    def __init__(self, cfg: CheckpointSection, folder: Path, rank: int, log=print):
+        self.cfg, self.folder, self.rank, self.log = cfg, folder, rank, log
+        self._pending: tuple[Future, Path, Path] | None = None
+        # Async saves run their collectives from a background thread: give them their own gloo group
+        # so they never interleave with the training loop's (and work when the main backend is NCCL).
+        self._async_group = dist.new_group(backend="gloo") if cfg.async_ else None
+        if rank == 0:
+            self.remove_partials()
+
+    # -- finding -----------------------------------------------------------------------------------
+    def remove_partials(self) -> None:
+        if self.folder.is_dir():
+            for p in self.folder.glob(".step-*"):
+                self.log(f"checkpoint: removing incomplete {p.name} (a save that did not finish)")
+                shutil.rmtree(p, ignore_errors=True)
+
+    def resume_candidates(self) -> list[Path]:
+        """What to try loading, best first: the named path, or (auto) the complete ones newest first."""
+        r = self.cfg.resume
+        if r == "none":
+            return []
+        if r == "auto":
+            return complete_checkpoints(self.folder)[::-1]
+        p = Path(r)
+        if not p.exists():
+            raise CheckpointError(f"checkpoint.resume={r!r} does not exist; pass a step-N directory, auto or none")
+        read_keys(p)
+        return [p]
+
+    # -- loading -----------------------------------------------------------------------------------
+    def load(self, model: nn.Module, optimizer: torch.optim.Optimizer, trainer_state: dict) -> Path | None:
+        """Load the first loadable candidate into model/optimizer/trainer_state (in place); None if none.
+
+        With `auto`, a checkpoint that fails to load is reported and the next older one is tried.
+        """
+        candidates = self.resume_candidates()
+        for i, path in enumerate(candidates):
+            try:
+                self._load(path, model, optimizer, trainer_state)
+                return path
+            except CheckpointError:
+                raise
+            except (Exception, CheckpointException) as e:  # DCP's is a BaseException
+                msg = f"{path}: cannot load ({_first_failure(e)})"
+                if self.cfg.resume != "auto":
+                    raise CheckpointError(msg + "; pass another checkpoint or checkpoint.resume=none") from None
+                if i + 1 < len(candidates):
+                    self.log(f"checkpoint: {msg}; falling back to {candidates[i + 1].name}")
+                else:
+                    raise CheckpointError(msg + "; no older complete checkpoint to fall back to "
+                                          "(checkpoint.resume=none starts fresh)") from None
+        return None
+
+    def _load(self, path: Path, model, optimizer, trainer_state: dict) -> None:
+        keys = read_keys(path)
+        if "trainer.step" not in keys or not any(k.startswith("optim.") for k in keys):
+            raise CheckpointError(f"{path} holds the model only (checkpoint.model_only); training cannot resume "
+                                  "from it: pass a full checkpoint or checkpoint.resume=none")
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        state = {"model": model_sd, "optim": optim_sd, "trainer": trainer_state}
+        dcp.load(state, checkpoint_id=str(path), planner=SafeLoadPlanner())
+        set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
+
+    # -- saving ------------------------------------------------------------------------------------
+    def save(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer | None, trainer_state: dict,
+             blocking: bool = False) -> None:
+        """Write step-N (model only when optimizer is None). Async unless `blocking` or not configured."""
+        self.wait()  # one save in flight at a time
+        final, tmp = self.folder / f"step-{step}", self.folder / f".step-{step}.partial"
+        if self.rank == 0:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(tmp, ignore_errors=True)
+        dist.barrier()
+        if optimizer is None:
+            state = {"model": get_model_state_dict(model)}
+        else:
+            model_sd, optim_sd = get_state_dict(model, optimizer)
+            state = {"model": model_sd, "optim": optim_sd, "trainer": trainer_state}
+        if self.cfg.async_ and not blocking:
+            # async_save copies the state to host memory before returning: what lands on disk is
+            # this step's state even though training goes on and changes the parameters.
+            fut = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self._async_group)
+            self._pending = (fut, tmp, final)
+            return
+        t0 = time.perf_counter()
+        dcp.save(state, checkpoint_id=str(tmp))
+        self._publish(tmp, final, time.perf_counter() - t0)
+
+    def poll(self) -> None:
+        """Publish an async save that has finished (cheap; call once per step)."""
+        if self._pending is not None and self._pending[0].done():
+            self.wait()
+
+    def wait(self) -> None:
+        """Block until the in-flight async save (if any) is written, then publish it."""
+        if self._pending is None:
+            return
+        fut, tmp, final = self._pending
+        self._pending = None
+        t0 = time.perf_counter()
+        fut.result()
+        self._publish(tmp, final, time.perf_counter() - t0, waited=True)
+
+    def _publish(self, tmp: Path, final: Path, seconds: float, waited: bool = False) -> None:
+        """Rank 0 makes the finished checkpoint visible (atomic rename), then prunes old ones."""
+        if self.rank != 0:
+            return
+        if final.exists():  # re-saving a step (resumed from an older checkpoint): swap, don't merge
+            old = final.with_name(f".{final.name}.replaced")
+            final.rename(old)
+            tmp.rename(final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            tmp.rename(final)
+        how = f"waited {seconds:.2f}s for the async write" if waited else f"{seconds:.2f}s"
+        self.log(f"checkpoint: saved {final} ({how})")
+        self.prune()
+
+    def prune(self) -> None:
+        if self.cfg.keep_last <= 0:
+            return
+        for p in complete_checkpoints(self.folder)[: -self.cfg.keep_last]:
+            shutil.rmtree(p, ignore_errors=True)
+
+    def close(self) -> None:
+        self.wait()
+        if self._async_group is not None:
+            dist.destroy_process_group(self._async_group)
+            self._async_group = None
