@@ -7,6 +7,7 @@ import json
 import math
 import os
 import signal
+import sys
 import threading
 import time
 from pathlib import Path
@@ -24,7 +25,8 @@ from shardlm.metrics import MetricsLogger, Throughput, memory_gib, peak_flops
 from shardlm.models import ModelConfig, Transformer, get_preset
 from shardlm.optim import build_lr_scheduler, build_optimizer
 from shardlm.parallel.fsdp import apply_fsdp, clip_grad_norm_, mp_policy, shard_view
-from shardlm.parallel.mesh import ParallelDims, dp_rank, init_distributed, launched_world_size
+from shardlm.parallel.mesh import (ParallelDims, dp_rank, init_distributed, launched_world_size,
+                                   restart_store_warning)
 
 
 class TrainingError(ShardlmError):
@@ -125,6 +127,8 @@ class Trainer:
         # From here on a SIGTERM is a request to checkpoint and stop, honoured after the next step.
         self.preemption = Preemption(cfg.checkpoint.preempt_grace_s, self.log)
         self.is_rank0 = self.env.rank == 0
+        if self.is_rank0 and (warning := restart_store_warning()):
+            print(warning, file=sys.stderr, flush=True)
         torch.manual_seed(cfg.train.seed)
         self.mesh = self.dims.build_mesh(self.env.device.type)
         self.output_dir = prepare_output_dir(cfg, self.is_rank0)
@@ -201,14 +205,16 @@ class Trainer:
         (SIGTERM) rides on the same all-reduce, so all ranks stop after the same step.
         """
         dev = self.env.device
-        n_tokens = torch.stack([(y != IGNORE_INDEX).sum() for _, y in batches]).sum().to(torch.float32)
-        counts = torch.stack([n_tokens, torch.tensor(float(stop_requested))]).to(dev)
+        # Counted on the host and reduced over gloo (the process group has a CPU backend on GPUs
+        # too): no device sync, and the scale is a plain float.
+        counts = torch.tensor([float(sum(int((y != IGNORE_INDEX).sum()) for _, y in batches)), float(stop_requested)])
         dist.all_reduce(counts)
-        n_tokens, stop = counts[0], counts[1]
+        n_tokens, stop = counts.tolist()
         scale = self.dims.dp / n_tokens
         loss_sum = torch.zeros((), device=dev)
         for k, (x, y) in enumerate(batches):
-            self.model.set_requires_gradient_sync(k == len(batches) - 1)
+            if len(batches) > 1:
+                self.model.set_requires_gradient_sync(k == len(batches) - 1)
             x, y = x.to(dev, non_blocking=True), y.to(dev, non_blocking=True)
             logits = self.model(x)
             loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten(), ignore_index=IGNORE_INDEX,
@@ -219,7 +225,7 @@ class Trainer:
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return loss_sum / n_tokens, grad_norm, bool(stop > 0)
+        return loss_sum / n_tokens, grad_norm, stop > 0
 
     def train(self) -> list[dict]:
         """Run to train.steps (or until SIGTERM); returns the records logged by this process."""

@@ -67,6 +67,16 @@ def launched_world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+def restart_store_warning() -> str | None:
+    """torchrun --max-restarts with its shared rendezvous store hands restarted workers the previous
+    round's addresses, so the restart fails (pytorch#135712). Say so before it bites."""
+    if (os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+            and int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0):
+        return ("shardlm: warning: torchrun --max-restarts needs TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in the "
+                "launcher's environment, or restarted ranks cannot reconnect (pytorch#135712)")
+    return None
+
+
 def init_distributed(device: str = "auto") -> DistEnv:
     """Join the process group torchrun set up (NCCL on CUDA, gloo on CPU), or make a 1-rank one."""
     use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
@@ -78,7 +88,7 @@ def init_distributed(device: str = "auto") -> DistEnv:
     if use_cuda:
         dev = torch.device("cuda", local_rank)
         torch.cuda.set_device(dev)
-        backend = "nccl"
+        backend = "cpu:gloo,cuda:nccl"  # NCCL for the model; gloo for host-side counters
     else:
         dev, backend = torch.device("cpu"), "gloo"
     if not dist.is_initialized():
