@@ -4,6 +4,7 @@ A checkpoint is `<dir>/step-N/`, a DCP directory holding
   model.*    the model's sharded state dict (`get_state_dict`: DTensor shards, one file per rank)
   optim.*    the optimizer's (AdamW moments and step, keyed by parameter name: reshardable)
   trainer.*  step, samples consumed by the data loader, RNG state
+  model_config.json  the model's shape (ModelConfig), so the checkpoint can be exported alone
 It is written as `<dir>/.step-N.partial/` and renamed to `step-N` by rank 0 only once DCP has
 written the metadata, i.e. after every rank's shards are on disk. Anything named `.step-*` is
 therefore incomplete: `resume=auto` ignores it and rank 0 deletes it.
@@ -86,6 +87,9 @@ class Checkpointer:
     def __init__(self, cfg: CheckpointSection, folder: Path, rank: int, log=print):
         self.cfg, self.folder, self.rank, self.log = cfg, folder, rank, log
         self._pending: tuple[Future, Path, Path] | None = None
+        # Small files rank 0 puts into every checkpoint before it is published (name -> text), e.g.
+        # model_config.json so that `shardlm convert` can export a checkpoint on its own.
+        self.sidecar_files: dict[str, str] = {}
         # Async saves run their collectives from a background thread: give them their own gloo group
         # so they never interleave with the training loop's (and work when the main backend is NCCL).
         self._async_group = dist.new_group(backend="gloo") if cfg.async_ else None
@@ -190,6 +194,8 @@ class Checkpointer:
         """Rank 0 makes the finished checkpoint visible (atomic rename), then prunes old ones."""
         if self.rank != 0:
             return
+        for name, text in self.sidecar_files.items():
+            (tmp / name).write_text(text)
         if final.exists():  # re-saving a step (resumed from an older checkpoint): swap, don't merge
             old = final.with_name(f".{final.name}.replaced")
             final.rename(old)

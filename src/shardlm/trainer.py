@@ -137,6 +137,7 @@ class Trainer:
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = build_optimizer(self.model, cfg.train, self.env.device)
         self.checkpointer = Checkpointer(cfg.checkpoint, self.checkpoint_dir, self.env.rank, log=self.log)
+        self.checkpointer.sidecar_files["model_config.json"] = json.dumps(dataclasses.asdict(self.model_cfg), indent=1)
         self.step = 0
         self.step = self.resume()
         self.scheduler = build_lr_scheduler(self.optimizer, cfg.train, last_step=self.step)

@@ -261,9 +261,13 @@ class Transformer(nn.Module):
         [a, b) draws just the blocks that cover them and gets the same numbers as one rank would.
         """
         self.rope.reset_parameters()
-        for name, p in self.named_parameters():
-            local, row0 = shard_view(p)
-            fill_param(local, row0, p.shape, self.init_spec(name), seed, name)
+        for mod_name, module in self.named_modules():
+            for pname, p in module.named_parameters(recurse=False):
+                name = f"{mod_name}.{pname}" if mod_name else pname
+                # A swapped-in module (LoRA) may say how its own parameters start.
+                spec = module.init_spec(pname) if hasattr(module, "init_spec") and module is not self else None
+                local, row0 = shard_view(p)
+                fill_param(local, row0, p.shape, spec or self.init_spec(name), seed, name)
 
 
 def fill_param(
