@@ -26,7 +26,8 @@ from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.planner import ReadItem
-from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
+                                                     set_state_dict)
 
 from shardlm.config import CheckpointSection, ShardlmError
 
@@ -84,8 +85,10 @@ class SafeLoadPlanner(DefaultLoadPlanner):
 
 
 class Checkpointer:
-    def __init__(self, cfg: CheckpointSection, folder: Path, rank: int, log=print):
+    def __init__(self, cfg: CheckpointSection, folder: Path, rank: int, log=print, trainable_only: bool = False):
         self.cfg, self.folder, self.rank, self.log = cfg, folder, rank, log
+        # trainable_only (LoRA adapters_only): the frozen base is not saved; it is re-read from its source.
+        self.options = StateDictOptions(ignore_frozen_params=trainable_only, strict=not trainable_only)
         self._pending: tuple[Future, Path, Path] | None = None
         # Small files rank 0 puts into every checkpoint before it is published (name -> text), e.g.
         # model_config.json so that `shardlm convert` can export a checkpoint on its own.
@@ -145,10 +148,10 @@ class Checkpointer:
         if "trainer.step" not in keys or not any(k.startswith("optim.") for k in keys):
             raise CheckpointError(f"{path} holds the model only (checkpoint.model_only); training cannot resume "
                                   "from it: pass a full checkpoint or checkpoint.resume=none")
-        model_sd, optim_sd = get_state_dict(model, optimizer)
+        model_sd, optim_sd = get_state_dict(model, optimizer, options=self.options)
         state = {"model": model_sd, "optim": optim_sd, "trainer": trainer_state}
         dcp.load(state, checkpoint_id=str(path), planner=SafeLoadPlanner())
-        set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
+        set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd, options=self.options)
 
     # -- saving ------------------------------------------------------------------------------------
     def save(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer | None, trainer_state: dict,
@@ -161,9 +164,9 @@ class Checkpointer:
             shutil.rmtree(tmp, ignore_errors=True)
         dist.barrier()
         if optimizer is None:
-            state = {"model": get_model_state_dict(model)}
+            state = {"model": get_model_state_dict(model, options=self.options)}
         else:
-            model_sd, optim_sd = get_state_dict(model, optimizer)
+            model_sd, optim_sd = get_state_dict(model, optimizer, options=self.options)
             state = {"model": model_sd, "optim": optim_sd, "trainer": trainer_state}
         if self.cfg.async_ and not blocking:
             # async_save copies the state to host memory before returning: what lands on disk is

@@ -11,6 +11,9 @@ USAGE = """usage: shardlm <command> [options]
 commands:
   train  --config FILE [--section.key=value ...]   train (alone, or under torchrun -m shardlm train ...)
   train  --help                                     every config key, its default and what it does
+  convert dcp-to-hf CHECKPOINT OUT [--merge-lora] [--adapter-only] [--dtype bf16|fp32] [--tokenizer DIR]
+  convert hf-to-dcp HF_DIR OUT [--dtype fp32|bf16]
+  make-debug-hf OUT                                 a tiny HF-format model + SFT data (for debug_lora.toml)
   presets                                           list the model presets
 """
 
@@ -48,6 +51,78 @@ def _train(args: list[str]) -> int:
     return 0
 
 
+def _convert(args: list[str]) -> int:
+    import argparse
+    import json
+    from pathlib import Path
+
+    from shardlm.config import ConfigError
+
+    ap = argparse.ArgumentParser(prog="shardlm convert", exit_on_error=False)
+    sub = ap.add_subparsers(dest="direction", required=True)
+    d2h = sub.add_parser("dcp-to-hf", exit_on_error=False)
+    d2h.add_argument("checkpoint")
+    d2h.add_argument("out")
+    d2h.add_argument("--merge-lora", action="store_true", help="fold the LoRA adapters into the weights")
+    d2h.add_argument("--adapter-only", action="store_true", help="write a peft adapter instead")
+    d2h.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
+    d2h.add_argument("--tokenizer", default=None, help="directory whose tokenizer files to copy")
+    h2d = sub.add_parser("hf-to-dcp", exit_on_error=False)
+    h2d.add_argument("hf_dir")
+    h2d.add_argument("out")
+    h2d.add_argument("--dtype", choices=("bf16", "fp32"), default="fp32")
+    try:
+        a = ap.parse_args(args)
+    except (argparse.ArgumentError, SystemExit) as e:
+        if isinstance(e, SystemExit) and e.code == 0:
+            return 0
+        raise ConfigError(f"convert: {e}; see `shardlm --help`") from None
+    from shardlm import hf_io
+
+    if a.direction == "hf-to-dcp":
+        hf_io.import_hf_to_dcp(a.hf_dir, a.out, dtype=a.dtype)
+        print(f"wrote DCP checkpoint {a.out} (model only; train with checkpoint.resume={a.out})")
+        return 0
+    ck = Path(a.checkpoint)
+    if not (ck / ".metadata").is_file():
+        raise ConfigError(f"{ck} is not a complete shardlm checkpoint (no .metadata); pass a step-N directory")
+    source = json.loads((ck / "hf_source.json").read_text()) if (ck / "hf_source.json").is_file() else {}
+    if a.adapter_only:
+        hf_io.export_peft_adapter(ck, a.out, base_model_name_or_path=source.get("init_from", "")[3:] or None)
+        print(f"wrote peft adapter to {a.out} (adapter_model.safetensors, adapter_config.json)")
+        return 0
+    lora = json.loads((ck / "lora_config.json").read_text()) if (ck / "lora_config.json").is_file() else {}
+    if lora.get("adapters_only"):
+        raise ConfigError(f"{ck} holds LoRA adapters only (lora.adapters_only): export them with --adapter-only "
+                          "and load them on the base model with peft")
+    tok = a.tokenizer or source.get("tokenizer")
+    tok = None if tok in (None, "bytes") else (Path(tok) if Path(tok).is_dir() else Path(tok).parent)
+    overrides = {}
+    base = source.get("init_from", "")[3:]
+    if base and (Path(base) / "config.json").is_file():  # keep the base's context length, not our seq_len
+        base_cfg = json.loads((Path(base) / "config.json").read_text())
+        if "max_position_embeddings" in base_cfg:
+            overrides["max_position_embeddings"] = base_cfg["max_position_embeddings"]
+    info = hf_io.export_hf(ck, a.out, dtype=a.dtype, merge_lora=a.merge_lora, tokenizer_dir=tok,
+                           hf_config_overrides=overrides or None)
+    print(f"wrote HF model to {a.out}: {len(info['files'])} safetensors file(s), {info['total_size'] / 1e6:.1f} MB")
+    return 0
+
+
+def _make_debug_hf(args: list[str]) -> int:
+    from pathlib import Path
+
+    from shardlm.config import ConfigError
+
+    if len(args) != 1:
+        raise ConfigError("usage: shardlm make-debug-hf OUT_DIR")
+    from shardlm.demo_assets import make_debug_hf
+
+    model, data = make_debug_hf(Path(args[0]))
+    print(f"wrote {model} (tiny HF llama + tokenizer) and {data} (SFT prompt/completion pairs)")
+    return 0
+
+
 def _presets() -> int:
     from shardlm.models import PRESETS
 
@@ -80,7 +155,11 @@ def main(argv: list[str] | None = None) -> int:
             return _train(rest)
         if cmd == "presets":
             return _presets()
-        raise ConfigError(f"unknown command {cmd!r}; commands: train, presets")
+        if cmd == "convert":
+            return _convert(rest)
+        if cmd == "make-debug-hf":
+            return _make_debug_hf(rest)
+        raise ConfigError(f"unknown command {cmd!r}; commands: train, convert, make-debug-hf, presets")
     except ShardlmError as e:
         _report(f"shardlm: error: {e}")
         return 2 if isinstance(e, ConfigError) else 1

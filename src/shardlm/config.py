@@ -45,12 +45,27 @@ def _key(f: dataclasses.Field) -> str:
 @dataclass
 class ModelSection:
     preset: str = _f("debug", "Exact name of a model shape in shardlm.models.presets (see `shardlm presets`).")
+    init_from: str = _f("", "`hf:/path/to/dir`: shape from its config.json, weights from its safetensors "
+                        "(each rank reads only its shards); empty = random init of model.preset.")
     n_layers: int | None = _f(None, "Override the preset's number of transformer blocks (e.g. to fit a benchmark).")
     dim: int | None = _f(None, "Override the preset's hidden size.")
     n_heads: int | None = _f(None, "Override the preset's number of attention heads.")
     n_kv_heads: int | None = _f(None, "Override the preset's number of key/value heads (GQA).")
     ffn_dim: int | None = _f(None, "Override the preset's SwiGLU hidden size.")
     vocab_size: int | None = _f(None, "Override the preset's vocabulary size.")
+
+
+@dataclass
+class LoraSection:
+    rank: int = _f(0, "LoRA rank r; 0 = no LoRA (full fine-tuning or pre-training).")
+    alpha: float = _f(16.0, "LoRA alpha: the update is scaled by alpha / rank.")
+    dropout: float = _f(0.0, "Dropout on the LoRA input.")
+    targets: list[str] = _f(["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+                            "Linear layers that get adapters (HF/peft names).")
+    train_embeddings: bool = _f(False, "Also train the embeddings (and untied output head).")
+    train_norms: bool = _f(False, "Also train the RMSNorm weights.")
+    adapters_only: bool = _f(False, "Checkpoints hold only the trainable parameters (adapters) and their "
+                             "optimizer state: small; resuming re-reads the base from model.init_from.")
 
 
 @dataclass
@@ -72,6 +87,13 @@ class TrainSection:
     mixed_precision: Literal["bf16", "fp32"] = _f(
         "bf16", "bf16: bf16 params/compute with fp32 master weights and optimizer state; fp32: all fp32.")
     reduce_dtype: Literal["fp32", "bf16"] = _f("fp32", "Dtype of the gradient reduce-scatter/all-reduce.")
+    ac: Literal["none", "full", "selective", "selective_op"] = _f(
+        "none", "Activation checkpointing: none; full (every block); selective (every train.ac_every-th block); "
+        "selective_op (save matmul outputs, recompute the rest).")
+    ac_every: int = _f(2, "With train.ac=selective: checkpoint every n-th block.")
+    cpu_offload: bool = _f(False, "Keep sharded parameters, gradients and optimizer state in CPU memory "
+                           "(FSDP2 CPUOffloadPolicy; the optimizer step runs on the CPU).")
+    compile: bool = _f(False, "torch.compile each transformer block (worth it on GPUs; off on CPU).")
     lr: float = _f(3e-4, "Peak learning rate (AdamW).")
     warmup_steps: int = _f(10, "Linear warmup steps from ~0 to train.lr.")
     lr_schedule: Literal["cosine", "linear", "constant"] = _f("cosine", "Decay after warmup.")
@@ -91,8 +113,13 @@ class DataSection:
     path: str = _f(
         "builtin:stdlib", "Training text: `builtin:stdlib` (the running Python's standard library), or a "
         ".txt/.jsonl file, a directory of them, or a glob.")
+    format: Literal["text", "sft"] = _f(
+        "text", "text: documents packed for next-token prediction; sft: JSONL with messages, prompt/completion or "
+        "instruction/input/output, loss only on the answers.")
     text_field: str = _f("text", "Field holding the text in .jsonl records.")
-    tokenizer: str = _f("bytes", "`bytes` (UTF-8 bytes + EOS, vocab 257) or a path to an HF tokenizer.json (or its directory).")
+    tokenizer: str = _f("auto", "`auto` (the model.init_from directory's tokenizer.json, else bytes), `bytes` "
+                        "(UTF-8 bytes + EOS, vocab 257), or a path to an HF tokenizer.json (or its directory).")
+    pack: bool = _f(True, "sft: pack samples into seq_len windows (true) or pad one sample per row (false).")
     seq_len: int = _f(128, "Tokens per training sequence (documents are packed, EOS-separated).")
     shuffle: bool = _f(True, "Shuffle the packed sequences (a fresh permutation every epoch).")
     cache_dir: str = _f("", "Where the tokenised corpus is cached; empty = $XDG_CACHE_HOME/shardlm (~/.cache/shardlm).")
@@ -129,6 +156,7 @@ class Config:
     data: DataSection = field(default_factory=DataSection)
     metrics: MetricsSection = field(default_factory=MetricsSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
+    lora: LoraSection = field(default_factory=LoraSection)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return {s.name: {_key(f): getattr(getattr(self, s.name), f.name)
@@ -186,6 +214,12 @@ def _coerce(dotted: str, tp: Any, value: Any, from_string: bool) -> Any:
     base, optional = _type_args(tp)
     if optional and (value is None or (from_string and str(value).lower() in ("none", "null", ""))):
         return None
+    if typing.get_origin(base) is list:  # list[str]: a TOML array, or comma-separated on the command line
+        if from_string and isinstance(value, str):
+            value = [v.strip() for v in value.split(",") if v.strip()]
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise ConfigError(f"{dotted} expects a list of strings (TOML array or a,b,c), got {value!r}")
+        return value
     if typing.get_origin(base) is Literal:
         choices = typing.get_args(base)
         if value not in choices:
@@ -267,7 +301,7 @@ def validate(cfg: Config) -> None:
     t, d, p, m = cfg.train, cfg.data, cfg.parallel, cfg.metrics
     positive = {"train.steps": t.steps, "train.micro_batch_size": t.micro_batch_size,
                 "train.grad_accum": t.grad_accum, "data.seq_len": d.seq_len, "metrics.log_every": m.log_every,
-                "parallel.dp_replicate": p.dp_replicate}
+                "parallel.dp_replicate": p.dp_replicate, "train.ac_every": t.ac_every}
     for key, v in positive.items():
         if v < 1:
             raise ConfigError(f"{key} must be >= 1, got {v}")
@@ -292,6 +326,16 @@ def validate(cfg: Config) -> None:
                    ("checkpoint.preempt_grace_s", c.preempt_grace_s)):
         if v < 0:
             raise ConfigError(f"{key} must be >= 0, got {v}")
+    lo = cfg.lora
+    if lo.rank < 0 or lo.alpha <= 0 or not 0.0 <= lo.dropout < 1.0:
+        raise ConfigError(f"lora.rank must be >= 0, lora.alpha > 0 and lora.dropout in [0, 1); got "
+                          f"{lo.rank}, {lo.alpha}, {lo.dropout}")
+    if lo.rank and not lo.targets:
+        raise ConfigError("lora.targets is empty; name the linear layers to adapt (e.g. q_proj,v_proj)")
+    if lo.adapters_only and not (lo.rank and cfg.model.init_from):
+        raise ConfigError("lora.adapters_only needs lora.rank > 0 and model.init_from (the base to re-read)")
+    if cfg.model.init_from and not cfg.model.init_from.startswith("hf:"):
+        raise ConfigError(f"model.init_from={cfg.model.init_from!r}: use hf:/path/to/hf_model_dir")
     if not t.output_dir:
         raise ConfigError("train.output_dir must not be empty")
 

@@ -24,7 +24,7 @@ from shardlm.generate import generate
 from shardlm.metrics import MetricsLogger, Throughput, memory_gib, peak_flops
 from shardlm.models import ModelConfig, Transformer, get_preset
 from shardlm.optim import build_lr_scheduler, build_optimizer
-from shardlm.parallel.fsdp import apply_fsdp, clip_grad_norm_, mp_policy, shard_view
+from shardlm.parallel.fsdp import apply_compile, apply_fsdp, clip_grad_norm_, mp_policy, shard_view
 from shardlm.parallel.mesh import (ParallelDims, dp_rank, init_distributed, launched_world_size,
                                    restart_store_warning)
 
@@ -33,13 +33,35 @@ class TrainingError(ShardlmError):
     pass
 
 
+def hf_dir(cfg: Config) -> Path | None:
+    """The directory model.init_from names (`hf:/path`), or None for a random init."""
+    return Path(cfg.model.init_from[3:]) if cfg.model.init_from else None
+
+
+def tokenizer_spec(cfg: Config) -> str:
+    """data.tokenizer with `auto` resolved: the HF model's own tokenizer when there is one, else bytes."""
+    if cfg.data.tokenizer != "auto":
+        return cfg.data.tokenizer
+    d = hf_dir(cfg)
+    return str(d) if d is not None and (d / "tokenizer.json").is_file() else "bytes"
+
+
 def build_model_config(cfg: Config, tokenizer_vocab: int) -> ModelConfig:
     """The preset, with any model.* overrides, its RoPE table sized to data.seq_len."""
-    try:
-        base = get_preset(cfg.model.preset)
-    except KeyError as e:
-        raise ConfigError(f"model.preset: {e.args[0]}") from None
-    overrides = {k: v for k, v in dataclasses.asdict(cfg.model).items() if k != "preset" and v is not None}
+    overrides = {k: v for k, v in dataclasses.asdict(cfg.model).items()
+                 if k not in ("preset", "init_from") and v is not None}
+    if hf_dir(cfg) is not None:
+        from shardlm.hf_io import read_hf_config
+
+        if overrides:
+            raise ConfigError(f"model.{next(iter(overrides))} cannot change the shape of a model loaded with "
+                              "model.init_from; drop the override")
+        base, _ = read_hf_config(hf_dir(cfg))
+    else:
+        try:
+            base = get_preset(cfg.model.preset)
+        except KeyError as e:
+            raise ConfigError(f"model.preset: {e.args[0]}") from None
     try:
         mc = dataclasses.replace(base, **overrides, max_seq_len=cfg.data.seq_len)
     except ValueError as e:
@@ -51,14 +73,51 @@ def build_model_config(cfg: Config, tokenizer_vocab: int) -> ModelConfig:
 
 
 def build_model(mc: ModelConfig, mesh, cfg: Config, device: torch.device) -> Transformer:
-    """Meta-device build -> fully_shard -> to_empty -> shard-invariant init (no rank holds it all)."""
+    """Meta-device build -> LoRA/freeze -> AC -> compile -> fully_shard -> to_empty -> init or HF load.
+
+    No rank ever holds the whole model: each materialises and fills only its own shards.
+    """
+    t, lo = cfg.train, cfg.lora
     with torch.device("meta"):
         model = Transformer(mc)
-    mp = mp_policy(cfg.train.mixed_precision, cfg.train.reduce_dtype)
-    apply_fsdp(model, mesh, mp, cfg.parallel.reshard_after_forward)
-    model.to_empty(device=device)
-    model.init_weights(seed=cfg.train.seed, shard_view=shard_view)
+    if lo.rank > 0:
+        from shardlm.lora import apply_lora
+
+        try:
+            apply_lora(model, lo.rank, lo.alpha, lo.dropout, lo.targets, train_embeddings=lo.train_embeddings,
+                       train_norms=lo.train_norms)
+        except ValueError as e:
+            raise ConfigError(f"lora.targets: {e}") from None
+    if t.ac != "none":
+        from shardlm.parallel.ac import apply_ac
+
+        apply_ac(model, t.ac, every=t.ac_every)
+    if t.compile:
+        apply_compile(model)
+    apply_fsdp(model, mesh, mp_policy(t.mixed_precision, t.reduce_dtype), cfg.parallel.reshard_after_forward,
+               cpu_offload=t.cpu_offload)
+    model.to_empty(device="cpu" if t.cpu_offload else device)
+    model.init_weights(seed=t.seed, shard_view=shard_view)  # LoRA adapters start here too (B = 0)
+    if hf_dir(cfg) is not None:
+        from shardlm.hf_io import load_hf_weights
+
+        load_hf_weights(model, hf_dir(cfg))
     return model
+
+
+def sidecar_files(cfg: Config, mc: ModelConfig) -> dict[str, str]:
+    """What a checkpoint needs beside its tensors to be exported on its own (`shardlm convert`)."""
+    files = {"model_config.json": json.dumps(dataclasses.asdict(mc), indent=1)}
+    lo = cfg.lora
+    if lo.rank > 0:
+        files["lora_config.json"] = json.dumps({"rank": lo.rank, "alpha": lo.alpha, "dropout": lo.dropout,
+                                                "targets": lo.targets, "adapters_only": lo.adapters_only,
+                                                "base": cfg.model.init_from}, indent=1)
+    d = hf_dir(cfg)
+    if d is not None:
+        files["hf_source.json"] = json.dumps({"init_from": cfg.model.init_from,
+                                              "tokenizer": tokenizer_spec(cfg)}, indent=1)
+    return files
 
 
 def prepare_output_dir(cfg: Config, is_rank0: bool) -> Path:
@@ -120,7 +179,7 @@ class Trainer:
         self.cfg = cfg
         # Everything that can be wrong with the config fails here, before any collective.
         self.dims = ParallelDims(cfg.parallel.dp_replicate, cfg.parallel.dp_shard, launched_world_size())
-        self.tokenizer = load_tokenizer(cfg.data.tokenizer)
+        self.tokenizer = load_tokenizer(tokenizer_spec(cfg))
         self.model_cfg = build_model_config(cfg, self.tokenizer.vocab_size)
         self.files = resolve_files(cfg.data.path)
         self.env = init_distributed(cfg.train.device)
@@ -136,8 +195,9 @@ class Trainer:
         self.model = build_model(self.model_cfg, self.mesh, cfg, self.env.device)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = build_optimizer(self.model, cfg.train, self.env.device)
-        self.checkpointer = Checkpointer(cfg.checkpoint, self.checkpoint_dir, self.env.rank, log=self.log)
-        self.checkpointer.sidecar_files["model_config.json"] = json.dumps(dataclasses.asdict(self.model_cfg), indent=1)
+        self.checkpointer = Checkpointer(cfg.checkpoint, self.checkpoint_dir, self.env.rank, log=self.log,
+                                         trainable_only=cfg.lora.adapters_only)
+        self.checkpointer.sidecar_files.update(sidecar_files(cfg, self.model_cfg))
         self.step = 0
         self.step = self.resume()
         self.scheduler = build_lr_scheduler(self.optimizer, cfg.train, last_step=self.step)
@@ -190,6 +250,19 @@ class Trainer:
 
     def build_data(self):
         d, t = self.cfg.data, self.cfg.train
+        if d.format == "sft":
+            from shardlm.data.sft import build_sft_loader
+
+            spec = tokenizer_spec(self.cfg)
+            tok_dir = None if spec == "bytes" else (Path(spec) if Path(spec).is_dir() else Path(spec).parent)
+            loader, stats = build_sft_loader(
+                self.files, self.tokenizer, tok_dir, seq_len=d.seq_len, micro_batch_size=t.micro_batch_size,
+                grad_accum=t.grad_accum, dp_rank=dp_rank(self.mesh), dp_size=self.dims.dp, seed=t.seed,
+                shuffle=d.shuffle, pack=d.pack)
+            self.log(f"sft data: {stats['samples']} samples ({stats['truncated']} truncated to data.seq_len, "
+                     f"{stats['dropped']} dropped with no answer left), {stats['loss_tokens']} loss tokens, "
+                     f"{stats['template']} template, {'packed' if d.pack else 'padded'} into {loader.n_windows} rows")
+            return loader, stats
         cache = Path(d.cache_dir) if d.cache_dir else default_cache_dir()
         return build_loader(self.files, self.tokenizer, d.text_field, cache, seq_len=d.seq_len,
                             micro_batch_size=t.micro_batch_size, grad_accum=t.grad_accum,
@@ -276,9 +349,19 @@ class Trainer:
         mesh = " x ".join(f"{n}={s}" for n, s in zip(self.mesh.mesh_dim_names, self.mesh.shape))
         self.metrics.write(
             f"shardlm: {self.env.world_size} rank(s) on {self.env.device.type} ({self.env.backend}), mesh {mesh} | "
-            f"model {self.cfg.model.preset}: {mc.num_params() / 1e6:.2f}M params, {self.cfg.train.mixed_precision} | "
+            f"model {self.cfg.model.init_from or self.cfg.model.preset}: {mc.num_params() / 1e6:.2f}M params"
+            f"{self.trainable_note()}, {self.cfg.train.mixed_precision} | "
             f"data {len(self.files)} files, {m['tokens'] / 1e6:.2f}M tokens, {self.loader.n_windows} sequences of "
             f"{d.seq_len} | global batch {self.loader.global_batch} seqs = {tokens_per_step} tokens/step")
+
+    def trainable_note(self) -> str:
+        """`` (3.1% trainable: LoRA r=8)`` when not every parameter trains."""
+        total = sum(p.numel() for p in self.model.parameters())
+        trainable = sum(p.numel() for p in self.params)
+        if trainable == total:
+            return ""
+        lora = f": LoRA r={self.cfg.lora.rank}" if self.cfg.lora.rank else ""
+        return f" ({trainable / 1e6:.3f}M = {100 * trainable / total:.1f}% trainable{lora})"
 
     def finish(self, records: list[dict], elapsed: float, sample: bool = True) -> None:
         t = self.cfg.train

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
@@ -18,18 +18,26 @@ def mp_policy(param_dtype: str, reduce_dtype: str) -> MixedPrecisionPolicy:
 
 
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh, mp: MixedPrecisionPolicy,
-               reshard_after_forward: bool = True) -> FSDPModule:
+               reshard_after_forward: bool = True, cpu_offload: bool = False) -> FSDPModule:
     """Shard every block of `model.layers` as its own unit, then the root (embeddings, norm, head).
 
     The last block keeps its parameters after forward: backward needs them at once, so
-    resharding would only cost an extra all-gather.
+    resharding would only cost an extra all-gather. With `cpu_offload` the sharded parameters,
+    gradients and optimizer state live in (pinned) host memory between uses.
     """
+    offload = CPUOffloadPolicy() if cpu_offload else OffloadPolicy()
     blocks = list(model.layers)
     for i, block in enumerate(blocks):
-        fully_shard(block, mesh=mesh, mp_policy=mp,
+        fully_shard(block, mesh=mesh, mp_policy=mp, offload_policy=offload,
                     reshard_after_forward=reshard_after_forward and i < len(blocks) - 1)
-    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=offload, reshard_after_forward=reshard_after_forward)
     return model  # type: ignore[return-value]
+
+
+def apply_compile(model: nn.Module) -> None:
+    """torch.compile each block in place; `Module.compile` keeps parameter names (no `_orig_mod.`)."""
+    for block in model.layers:
+        block.compile()
 
 
 def shard_view(p: torch.Tensor) -> tuple[torch.Tensor, int]:

@@ -1,0 +1,475 @@
+"""Supervised fine-tuning data: JSONL conversations -> token ids + a loss mask -> per-dp-rank micro-batches.
+
+Records (one JSON object per line of a .jsonl file; the shape is detected per record):
+
+  chat        {"messages": [{"role": "system" | "user" | "assistant", "content": str}, ...]}
+  completion  {"prompt": str, "completion": str}
+  alpaca      {"instruction": str, "input": str (optional), "output": str}
+
+A completion record becomes [user: prompt, assistant: completion]; an alpaca record becomes
+[user: instruction (+ "\\n\\n" + input when input is non-empty), assistant: output].
+
+Rendering. With a chat template (the tokenizer directory's `chat_template.jinja`, else the
+`chat_template` of its `tokenizer_config.json`, as Hugging Face saves them) the conversation is
+rendered with jinja2 the way `transformers` does it: an ImmutableSandboxedEnvironment(trim_blocks=True,
+lstrip_blocks=True) with loop controls, `raise_exception`, a `tojson` filter, `strftime_now`, a
+pass-through `{% generation %}` tag, and the variables `messages`, `add_generation_prompt` (false)
+plus every `*_token` string of tokenizer_config.json (`bos_token`, `eos_token`, ...). Without one,
+the plain template is used (EOS is the tokenizer's end-of-text id, not text):
+
+  ### System:\\n{system}\\n\\n        (one block per system message)
+  ### User:\\n{user}\\n\\n
+  ### Assistant:\\n{assistant}<EOS>
+
+Loss masking (labels are IGNORE_INDEX except on what the model has to generate):
+  1. The rendered text T is split into character spans: for assistant message i, the span starts
+     where `render(messages[:i], add_generation_prompt=True)` ends (the exact prompt the model sees at
+     inference) and ends where `render(messages[:i+1])` ends, trailing whitespace dropped, so it holds
+     the content and the template's end-of-turn marker (`<|im_end|>`, `<|eot_id|>`, `</s>`, ...).
+     This is used only when both renders are prefixes of T (true of ordinary templates). Otherwise
+     (templates that render the last turn differently, or refuse a partial conversation) the content
+     (or its strip()) is searched in T after the previous span, and the span is extended over an
+     end-of-text token string that immediately follows it. A template that does not render an
+     assistant message verbatim is an error naming the record.
+  2. Each span and each text between spans is tokenised *separately* (no special tokens added) and
+     the ids are concatenated. So no token ever straddles a prompt/answer boundary, the prompt of
+     the first answer is tokenised exactly as it is at inference, and the loss tokens of an answer
+     are exactly `encode(content + end marker)` (plain template: `encode(content) + [eos]`).
+  3. A sample of n tokens gives n - 1 (input, label) pairs: inputs = ids[:-1], label[t] = ids[t+1]
+     where token t+1 is an answer token, else IGNORE_INDEX. A sample's first token is never a target.
+
+Samples longer than seq_len + 1 tokens are cut to seq_len + 1 (the end of the answer is lost; they
+are counted in `truncated`); a sample left with no target token is dropped (counted in `dropped`).
+
+Batching. `pack=True`: the (input, label) pairs of whole samples are placed into rows of seq_len by
+best-fit decreasing (deterministic; a sample is never split over rows) and the rest of a row is
+padding (input = pad id, label = IGNORE_INDEX). Each sample keeps its own labels, so no label ever
+predicts another sample's token; attention is not blocked between samples of a row (as with
+PackedLoader's documents). `pack=False`: one sample per row, padded. Rows are then dealt exactly
+like PackedLoader's windows: step s uses global rows [s*G, (s+1)*G) of a seeded per-epoch
+permutation, micro-batch k of dp rank r holds rows k*mbs*dp + r*mbs ... +mbs; the only state is
+`samples_seen`, so a resume on any dp degree continues where the run stopped.
+"""
+
+from __future__ import annotations
+
+import json
+from bisect import bisect_left, insort
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+import numpy as np
+import torch
+
+from shardlm.config import ConfigError
+from shardlm.data.loader import IGNORE_INDEX
+from shardlm.data.tokenizer import _EOS_CANDIDATES, ByteTokenizer
+
+ROLES = ("system", "user", "assistant")
+SHAPES = ('{"messages": [{"role": "system"|"user"|"assistant", "content": str}, ...]}, '
+          '{"prompt": str, "completion": str}, or {"instruction": str, "input": str (optional), "output": str}')
+_ENCODE_BATCH = 256
+
+Message = dict[str, str]
+Segment = tuple[Any, bool]  # (text, or a literal token id, is-loss)
+
+
+# -- records ---------------------------------------------------------------------------------------
+def record_to_messages(record: Any, where: str) -> list[Message]:
+    """One JSONL record (any of the three shapes) as a list of {"role", "content"} messages."""
+    def bad(why: str) -> ConfigError:
+        return ConfigError(f"{where}: {why}; an SFT record is one of {SHAPES}")
+
+    if not isinstance(record, dict):
+        raise bad("not a JSON object")
+    if "messages" in record:
+        msgs = record["messages"]
+        if not isinstance(msgs, list) or not msgs:
+            raise bad('"messages" must be a non-empty list')
+        out = []
+        for j, m in enumerate(msgs):
+            if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
+                raise bad(f'messages[{j}] must be {{"role": "system"|"user"|"assistant", "content": str}}')
+            out.append({"role": m["role"], "content": m["content"]})
+        if not any(m["role"] == "assistant" for m in out):
+            raise bad('"messages" has no assistant turn, so nothing to learn')
+        return out
+    if "prompt" in record or "completion" in record:
+        p, c = record.get("prompt"), record.get("completion")
+        if not isinstance(p, str) or not isinstance(c, str):
+            raise bad('"prompt" and "completion" must both be strings')
+        return [{"role": "user", "content": p}, {"role": "assistant", "content": c}]
+    if "instruction" in record or "output" in record:
+        ins, inp, outp = record.get("instruction"), record.get("input", ""), record.get("output")
+        if not isinstance(ins, str) or not isinstance(outp, str) or not isinstance(inp, (str, type(None))):
+            raise bad('"instruction" and "output" must be strings ("input" optional, a string)')
+        user = f"{ins}\n\n{inp}" if inp else ins
+        return [{"role": "user", "content": user}, {"role": "assistant", "content": outp}]
+    raise bad(f"no known fields (has {', '.join(map(repr, sorted(record))) or 'none'})")
+
+
+def iter_records(files: Sequence[Path]) -> Iterator[tuple[list[Message], str]]:
+    """(messages, "file:line") for every non-blank line of the .jsonl files, in order."""
+    for f in files:
+        f = Path(f)
+        if f.suffix != ".jsonl":
+            raise ConfigError(f"{f}: SFT data must be .jsonl files (one record per line)")
+        try:
+            text = f.read_bytes().decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"{f}: not valid UTF-8 ({e.reason} at byte {e.start})") from None
+        for lineno, line in enumerate(text.splitlines(), 1):
+            if not line.strip():
+                continue
+            where = f"{f}:{lineno}"
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"{where}: not valid JSON ({e.msg})") from None
+            yield record_to_messages(record, where), where
+
+
+# -- templates -------------------------------------------------------------------------------------
+class PlainTemplate:
+    """The built-in format (see the module docstring); the EOS after each answer is a token id."""
+
+    name = "plain"
+    HEADERS = {"system": "### System:\n", "user": "### User:\n", "assistant": "### Assistant:\n"}
+
+    def __init__(self, eos_id: int):
+        self.eos_id = eos_id
+
+    def segments(self, messages: list[Message], where: str = "") -> list[Segment]:
+        out: list[Segment] = []
+        for m in messages:
+            out.append((self.HEADERS[m["role"]], False))
+            if m["role"] == "assistant":
+                out += [(m["content"], True), (self.eos_id, True)]
+            else:
+                out.append((m["content"] + "\n\n", False))
+        return out
+
+
+def _token_string(value: Any) -> str | None:
+    """A special token as tokenizer_config.json stores it: a string or an AddedToken dict."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, dict) and isinstance(value.get("content"), str):
+        return value["content"]
+    return None
+
+
+def _compile(source: str):
+    try:
+        import jinja2
+        from jinja2.ext import Extension, loopcontrols
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+    except ImportError:
+        raise ConfigError("the tokenizer has a chat template, which needs jinja2: pip install jinja2") from None
+
+    class Generation(Extension):
+        """`{% generation %}...{% endgeneration %}` (HF's assistant-mask tag) renders its body."""
+
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+        def _body(self, caller):
+            return caller()
+
+    def raise_exception(message):
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[Generation, loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    try:
+        return env.from_string(source)
+    except jinja2.exceptions.TemplateSyntaxError as e:
+        raise ConfigError(f"chat template: syntax error at line {e.lineno}: {e.message}") from None
+
+
+class ChatTemplate:
+    """A Jinja chat template; `segments` splits its rendering into prompt and answer spans."""
+
+    name = "chat_template"
+
+    def __init__(self, source: str, special_tokens: dict[str, str] | None = None):
+        self.template = _compile(source)
+        self.special = dict(special_tokens or {})
+        self.special.setdefault("bos_token", "")
+        self.special.setdefault("eos_token", "")
+        self.end_markers = [t for t in dict.fromkeys([self.special["eos_token"], *_EOS_CANDIDATES]) if t]
+
+    @classmethod
+    def from_dir(cls, tokenizer_dir: str | Path | None) -> ChatTemplate | None:
+        """The template saved with a tokenizer (a directory, or a path to its tokenizer.json), or None."""
+        if tokenizer_dir is None or str(tokenizer_dir) == "bytes":
+            return None
+        d = Path(tokenizer_dir)
+        if d.is_file() or d.suffix == ".json":  # a path to tokenizer.json: its directory
+            d = d.parent
+        cfg: dict = {}
+        if (d / "tokenizer_config.json").is_file():
+            try:
+                cfg = json.loads((d / "tokenizer_config.json").read_text(encoding="utf-8"))
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                raise ConfigError(f"{d / 'tokenizer_config.json'}: not valid JSON ({e})") from None
+        source = cfg.get("chat_template")
+        if isinstance(source, list):  # [{"name": "default", "template": ...}, ...]
+            named = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}
+            source = named.get("default")
+        if (d / "chat_template.jinja").is_file():
+            source = (d / "chat_template.jinja").read_text(encoding="utf-8")
+        if not isinstance(source, str) or not source.strip():
+            return None
+        special = {k: s for k, v in cfg.items() if k.endswith("_token") and (s := _token_string(v)) is not None}
+        return cls(source, special)
+
+    def render(self, messages: list[Message], add_generation_prompt: bool = False) -> str:
+        return self.template.render(messages=messages, add_generation_prompt=add_generation_prompt, **self.special)
+
+    def spans(self, messages: list[Message], where: str = "") -> tuple[str, list[tuple[int, int]]]:
+        """The rendered text and the [start, end) character span of each assistant answer."""
+        try:
+            text = self.render(messages)
+        except Exception as e:  # raise_exception, sandbox refusals, or a template bug (TypeError, ...)
+            raise ConfigError(f"{where}: the chat template refused this record: {e}") from None
+        spans: list[tuple[int, int]] = []
+        pos = 0
+        for i, m in enumerate(messages):
+            if m["role"] != "assistant":
+                continue
+            span = self._span_by_prefix(messages, i, text, pos)
+            if span is None:
+                span = self._span_by_search(m["content"], text, pos)
+            if span is None:
+                if not m["content"]:
+                    continue
+                raise ConfigError(f"{where}: the chat template does not render assistant message {i} verbatim, "
+                                  "so its tokens cannot be found for loss masking")
+            spans.append(span)
+            pos = span[1]
+        return text, spans
+
+    def _span_by_prefix(self, messages, i, text, pos):
+        try:
+            before = self.render(messages[:i], add_generation_prompt=True)
+            through = self.render(messages[: i + 1])
+        except Exception:  # e.g. a template that insists on a complete conversation
+            return None
+        if len(before) < pos or not text.startswith(before) or not text.startswith(through):
+            return None
+        start, end = len(before), len(through.rstrip())
+        content = messages[i]["content"]
+        if content:
+            c = text.find(content, start, len(through))
+            if c >= 0:
+                end = max(end, c + len(content))
+        return start, max(start, end)
+
+    def _span_by_search(self, content, text, pos):
+        for cand in dict.fromkeys([content, content.strip()]):
+            if not cand:
+                continue
+            c = text.find(cand, pos)
+            if c >= 0:
+                end = c + len(cand)
+                marker = next((t for t in self.end_markers if text.startswith(t, end)), "")
+                return c, end + len(marker)
+        return None
+
+    def segments(self, messages: list[Message], where: str = "") -> list[Segment]:
+        text, spans = self.spans(messages, where)
+        out: list[Segment] = []
+        pos = 0
+        for a, b in spans:
+            out += [(text[pos:a], False), (text[a:b], True)]
+            pos = b
+        out.append((text[pos:], False))
+        return [s for s in out if s[0] != ""]
+
+
+# -- tokenisation ----------------------------------------------------------------------------------
+def _encode_texts(tokenizer, texts: list[str]) -> list[list[int]]:
+    if isinstance(tokenizer, ByteTokenizer):
+        return [list(t.encode("utf-8")) for t in texts]
+    if hasattr(tokenizer, "encode_batch"):
+        return tokenizer.encode_batch(texts)
+    return [tokenizer.encode(t) for t in texts]
+
+
+def tokenize_segments(tokenizer, batch: list[list[Segment]]) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Each record's segments -> (ids int32, is-answer bool), every text segment encoded on its own."""
+    texts = [piece for segs in batch for piece, _ in segs if isinstance(piece, str)]
+    encoded = iter(_encode_texts(tokenizer, texts))
+    out = []
+    for segs in batch:
+        ids: list[int] = []
+        mask: list[bool] = []
+        for piece, loss in segs:
+            toks = next(encoded) if isinstance(piece, str) else [int(piece)]
+            ids += toks
+            mask += [loss] * len(toks)
+        out.append((np.asarray(ids, dtype=np.int32), np.asarray(mask, dtype=bool)))
+    return out
+
+
+def tokenize_records(records, tokenizer, template) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """(messages, where) records -> (ids, answer mask) samples, encoded in batches."""
+    batch: list[list[Segment]] = []
+    for messages, where in records:
+        batch.append(template.segments(messages, where))
+        if len(batch) == _ENCODE_BATCH:
+            yield from tokenize_segments(tokenizer, batch)
+            batch = []
+    if batch:
+        yield from tokenize_segments(tokenizer, batch)
+
+
+# -- batching --------------------------------------------------------------------------------------
+def pack_best_fit(lengths: Sequence[int], capacity: int) -> list[list[int]]:
+    """Indices grouped into rows of at most `capacity` (best-fit decreasing, deterministic)."""
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    rows: list[list[int]] = []
+    free: list[tuple[int, int]] = []  # sorted (room left, row)
+    for i in order:
+        n = lengths[i]
+        j = bisect_left(free, (n, -1))
+        if j == len(free):
+            rows.append([i])
+            row, room = len(rows) - 1, capacity - n
+        else:
+            room, row = free.pop(j)
+            rows[row].append(i)
+            room -= n
+        if room > 0:
+            insort(free, (room, row))
+    return rows
+
+
+class SFTLoader:
+    """PackedLoader's interface over SFT samples: rows of (inputs, labels) with answer-only labels.
+
+    `samples` are (token ids, answer mask) pairs of equal length; they are truncated, filtered and
+    packed (or padded) here, and `stats` says how: samples kept, truncated, dropped, tokens, loss
+    tokens, rows and the fill of the rows.
+    """
+
+    def __init__(self, samples: Sequence[tuple[Sequence[int], Sequence[bool]]], seq_len: int,
+                 micro_batch_size: int, grad_accum: int, dp_rank: int, dp_size: int, seed: int = 0,
+                 shuffle: bool = True, pack: bool = True, pad_id: int = 0):
+        L = self.seq_len = seq_len
+        self.mbs, self.accum, self.dp_rank, self.dp_size = micro_batch_size, grad_accum, dp_rank, dp_size
+        self.seed, self.shuffle, self.pack, self.pad_id = seed, shuffle, pack, pad_id
+        xs, ys, lengths = [], [], []
+        truncated = dropped = 0
+        for ids, mask in samples:
+            ids, mask = np.asarray(ids, dtype=np.int64), np.asarray(mask, dtype=bool)
+            if len(ids) != len(mask):
+                raise ValueError("token ids and answer mask differ in length")
+            if len(ids) > L + 1:
+                ids, mask = ids[: L + 1], mask[: L + 1]
+                truncated += 1
+            if len(ids) < 2 or not mask[1:].any():
+                dropped += 1
+                continue
+            xs.append(ids[:-1])
+            ys.append(np.where(mask[1:], ids[1:], IGNORE_INDEX))
+            lengths.append(len(ids) - 1)
+        if not lengths:
+            raise ConfigError("no SFT sample has an answer token left within data.seq_len"
+                              + (f" ({dropped} dropped)" if dropped else "") + "; add data or raise data.seq_len")
+        self._x = np.concatenate(xs).astype(np.int32)
+        self._y = np.concatenate(ys).astype(np.int32)
+        self._len = np.asarray(lengths, dtype=np.int64)
+        self._off = np.concatenate([[0], np.cumsum(self._len)[:-1]])
+        rows = pack_best_fit(lengths, L) if pack else [[i] for i in range(len(lengths))]
+        self._rows = rows
+        self.n_windows = len(rows)
+        n_tok = int(self._len.sum())
+        self.stats = {"samples": len(lengths), "truncated": truncated, "dropped": dropped,
+                      "tokens": n_tok + len(lengths),  # each sample's n tokens give n - 1 pairs
+                      "loss_tokens": int((self._y != IGNORE_INDEX).sum()), "sequences": self.n_windows,
+                      "fill": round(n_tok / (self.n_windows * L), 4)}
+        self.samples_seen = 0
+        self._perm_epoch, self._perm = -1, None
+
+    @property
+    def global_batch(self) -> int:
+        return self.mbs * self.accum * self.dp_size
+
+    def _window(self, sample: int) -> int:
+        epoch, pos = divmod(sample, self.n_windows)
+        if not self.shuffle:
+            return pos
+        if epoch != self._perm_epoch:
+            self._perm = np.random.default_rng([self.seed, epoch]).permutation(self.n_windows)
+            self._perm_epoch = epoch
+        return int(self._perm[pos])
+
+    def row(self, w: int) -> tuple[np.ndarray, np.ndarray]:
+        """Row w as (inputs, labels), each seq_len long; the tail is padding."""
+        x = np.full(self.seq_len, self.pad_id, dtype=np.int64)
+        y = np.full(self.seq_len, IGNORE_INDEX, dtype=np.int64)
+        pos = 0
+        for i in self._rows[w]:
+            o, n = self._off[i], self._len[i]
+            x[pos : pos + n] = self._x[o : o + n]
+            y[pos : pos + n] = self._y[o : o + n]
+            pos += n
+        return x, y
+
+    def row_samples(self, w: int) -> list[int]:
+        """Indices (among the kept samples, in input order) of the samples in row w, in row order."""
+        return list(self._rows[w])
+
+    def _batch(self, first_sample: int) -> tuple[torch.Tensor, torch.Tensor]:
+        rows = [self.row(self._window(s)) for s in range(first_sample, first_sample + self.mbs)]
+        return torch.from_numpy(np.stack([r[0] for r in rows])), torch.from_numpy(np.stack([r[1] for r in rows]))
+
+    def next_step(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """`grad_accum` (inputs, labels) pairs of shape (micro_batch_size, seq_len) for this rank."""
+        base = self.samples_seen
+        out = [self._batch(base + k * self.mbs * self.dp_size + self.dp_rank * self.mbs) for k in range(self.accum)]
+        self.samples_seen += self.global_batch
+        return out
+
+    def state_dict(self) -> dict:
+        return {"samples_seen": self.samples_seen}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.samples_seen = int(state["samples_seen"])
+
+
+def load_template(tokenizer, tokenizer_dir: str | Path | None) -> ChatTemplate | PlainTemplate:
+    """The tokenizer directory's chat template if it has one, else the plain template."""
+    return ChatTemplate.from_dir(tokenizer_dir) or PlainTemplate(tokenizer.eos_id)
+
+
+def build_sft_loader(files: Sequence[Path], tokenizer, tokenizer_dir: str | Path | None, *, seq_len: int,
+                     micro_batch_size: int, grad_accum: int, dp_rank: int = 0, dp_size: int = 1, seed: int = 0,
+                     shuffle: bool = True, pack: bool = True) -> tuple[SFTLoader, dict]:
+    """Read, render, tokenise and batch SFT records -> (loader, stats).
+
+    stats: records, samples (kept), truncated, dropped (no answer token within seq_len), tokens,
+    loss_tokens, sequences (rows), fill (non-padding share of the rows), template (`chat_template`
+    or `plain`). Every rank does the whole (in-memory) pass; the result is deterministic.
+    """
+    template = load_template(tokenizer, tokenizer_dir)
+    records = list(iter_records(files))
+    if not records:
+        raise ConfigError(f"no SFT records found in {', '.join(map(str, files)) or 'data.path'} "
+                          f"(each .jsonl line must be one of {SHAPES})")
+    samples = list(tokenize_records(records, tokenizer, template))
+    loader = SFTLoader(samples, seq_len, micro_batch_size, grad_accum, dp_rank, dp_size, seed, shuffle, pack,
+                       pad_id=tokenizer.eos_id)
+    return loader, {"records": len(records), **loader.stats, "template": template.name}

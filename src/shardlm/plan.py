@@ -1,0 +1,544 @@
+"""Memory planner: will this config fit, per rank, on N GPUs of M GiB? If not, which knob fixes it?
+
+Method: nothing is estimated from formulas. The planner runs the trainer's real code path for ONE
+training step, per rank, in the current process, on fake tensors:
+
+1. `dist.init_process_group("fake", FakeStore, rank=0, world_size=W)`: a process group whose
+   collectives do nothing but have the right shapes (rank 0 stands for every rank: FSDP shards
+   are even up to padding).
+2. Under `FakeTensorMode` (tensors with shapes, dtypes and storages but no memory), build the model
+   exactly like the trainer: on `meta`, `apply_lora` (if lora.rank > 0), `apply_ac` (train.ac),
+   `apply_fsdp` over the `ParallelDims` mesh with the configured mixed precision and
+   reshard_after_forward, `to_empty`; AdamW over the trainable parameters (`build_optimizer`).
+3. Optimizer state is created first (zero gradients + one `optimizer.step()`), because from the
+   second step on the AdamW moments live through forward and backward: the steady state.
+4. One step as `Trainer.train_step` does it (micro_batch_size x seq_len tokens; with grad_accum > 1
+   two micro-batches, gradient sync off on the first, because the accumulated unsharded gradients
+   are part of the peak), CE loss in fp32, backward, grad-norm clipping, `optimizer.step()`,
+   `zero_grad`, all inside `FSDPMemTracker(model, optimizer)`, which follows every tensor storage
+   that is created and freed and labels it.
+
+Numbers (bytes per rank):
+
+* peak: `tracker.get_tracker_snapshot("peak")`: the total at the moment of the step's peak and
+  what it was made of then, the tracker's categories grouped as
+  params = Sharded Param + Unsharded Param + Buffer, grads = Sharded Grad + Unsharded Grad,
+  optimizer = OptState, activations = Activation + Inputs, temporaries = Temp (backward
+  temporaries: activation gradients, recomputed activations under AC),
+  comm = All Gather + Reduce Scatter (FSDP's collective buffers).
+* model state: a snapshot after backward and clipping, before `optimizer.step()`: sharded fp32
+  params + sharded fp32 gradients + AdamW moments (the "16 bytes per parameter" of mixed precision
+  training, divided by the shard degree).
+* cpu offload (estimate): the peak over the whole step of (total - sharded params - sharded grads
+  - optimizer state), i.e. what stays on the GPU when FSDP's CPUOffloadPolicy keeps those in host
+  memory. The H2D/D2H staging copies are not modelled (one block's shard at a time: small).
+
+The fake device is the CPU: this torch build has no CUDA, and FakeTensorMode cannot fake a CUDA
+device without one; the accounting is device independent (tensor sizes and lifetimes). Not modelled:
+the CUDA context and cuBLAS/NCCL workspaces (~0.5-2 GiB), the caching allocator's rounding (512 B)
+and fragmentation, NCCL's internal buffers, and kernels' scratch memory (flash-attention workspace).
+`headroom` (default 10%) is kept free for those. CUDA SDPA (flash / memory-efficient) keeps the same
+tensors as the CPU flash kernel used here (output + logsumexp), so attention is modelled faithfully.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from shardlm.config import Config, ConfigError, ShardlmError
+from shardlm.data.loader import IGNORE_INDEX
+
+GIB = 1024**3
+DEFAULT_HEADROOM = 0.10
+
+# FSDPMemTracker category names (their `.value`) -> the planner's groups.
+_GROUPS = {
+    "params": ("Sharded Param", "Unsharded Param", "Buffer"),
+    "grads": ("Sharded Grad", "Unsharded Grad"),
+    "optimizer": ("OptState",),
+    "activations": ("Activation", "Inputs"),
+    "temporaries": ("Temp",),
+    "comm": ("All Gather", "Reduce Scatter"),
+}
+_OFFLOADED = ("Sharded Param", "Sharded Grad", "OptState")
+
+
+class PlanError(ShardlmError):
+    pass
+
+
+def _gib(b: float) -> float:
+    return b / GIB
+
+
+@dataclass
+class Breakdown:
+    """Bytes per rank, grouped (see the module docstring); `raw` keeps the tracker's own categories."""
+
+    total: int
+    params: int
+    grads: int
+    optimizer: int
+    activations: int
+    temporaries: int
+    comm: int
+    raw: dict[str, int] = field(default_factory=dict)
+
+    @classmethod
+    def from_snapshot(cls, snap: dict) -> Breakdown:
+        raw: dict[str, int] = {}
+        total = 0
+        for dev_snap in snap.values():  # one device (cpu) in practice; sum to be safe
+            for k, v in dev_snap.items():
+                name = str(getattr(k, "value", k))  # the tracker's keys: _FSDPRefType members + "Total"
+                if name == "Total":
+                    total += v
+                else:
+                    raw[name] = raw.get(name, 0) + v
+        groups = {g: sum(raw.get(n, 0) for n in names) for g, names in _GROUPS.items()}
+        return cls(total=total, raw=raw, **groups)
+
+
+@dataclass
+class Scenario:
+    """One fake run: a config variant and what it needs per rank."""
+
+    name: str
+    world_size: int
+    micro_batch_size: int
+    seq_len: int
+    grad_accum: int
+    ac: str
+    lora_rank: int
+    cpu_offload: bool
+    peak: Breakdown  # composition at the peak
+    model_state: Breakdown  # after backward, before the optimizer step
+    offload_peak_bytes: int  # the peak without sharded params/grads/optimizer state (CPU offload)
+    peak_bytes: int  # what the GPU needs: peak.total, or offload_peak_bytes with cpu_offload
+    usable_bytes: int
+    seconds: float
+    overrides: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def fits(self) -> bool:
+        return self.peak_bytes <= self.usable_bytes
+
+    @property
+    def margin_bytes(self) -> int:
+        """usable - peak: > 0 is room to spare, < 0 is how much is missing."""
+        return self.usable_bytes - self.peak_bytes
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["fits"], d["margin_bytes"] = self.fits, self.margin_bytes
+        d["peak_gib"], d["margin_gib"] = round(_gib(self.peak_bytes), 3), round(_gib(self.margin_bytes), 3)
+        return d
+
+
+@dataclass
+class PlanReport:
+    model: str
+    n_params: int
+    trainable_params: int
+    world_size: int
+    gpus_per_node: int
+    gpu_mem_gib: float
+    headroom: float
+    base: Scenario
+    alternatives: list[Scenario] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def fits(self) -> bool:
+        return self.base.fits
+
+    @property
+    def usable_gib(self) -> float:
+        return self.gpu_mem_gib * (1 - self.headroom)
+
+    @property
+    def peak_gib(self) -> float:
+        return _gib(self.base.peak_bytes)
+
+    def best_alternative(self) -> Scenario | None:
+        """The fitting alternative with the most room left, if any."""
+        ok = [s for s in self.alternatives if s.fits]
+        return max(ok, key=lambda s: s.margin_bytes) if ok else None
+
+    def to_dict(self) -> dict[str, Any]:
+        best = self.best_alternative()
+        return {
+            "model": self.model, "n_params": self.n_params, "trainable_params": self.trainable_params,
+            "world_size": self.world_size, "gpus_per_node": self.gpus_per_node, "gpu_mem_gib": self.gpu_mem_gib,
+            "headroom": self.headroom, "usable_gib": round(self.usable_gib, 3), "fits": self.fits,
+            "peak_gib": round(self.peak_gib, 3), "base": self.base.to_dict(),
+            "alternatives": [s.to_dict() for s in self.alternatives],
+            "best_alternative": best.name if best else None, "notes": self.notes, "seconds": round(self.seconds, 2),
+        }
+
+    def to_json(self, indent: int | None = 1) -> str:
+        return json.dumps(self.to_dict(), indent=indent)
+
+    def format(self) -> str:
+        """A short human-readable report."""
+        b = self.base
+        nodes = self.world_size / self.gpus_per_node
+        lines = [
+            f"shardlm plan: {self.model} ({self.n_params / 1e9:.2f}B params, {self.trainable_params / 1e9:.3g}B "
+            f"trainable) on {self.world_size} ranks ({nodes:g} node(s) x {self.gpus_per_node}) of "
+            f"{self.gpu_mem_gib:g} GiB; usable {self.usable_gib:.1f} GiB ({self.headroom:.0%} headroom)",
+            f"  micro_batch_size={b.micro_batch_size} seq_len={b.seq_len} grad_accum={b.grad_accum} ac={b.ac} "
+            f"lora.rank={b.lora_rank} cpu_offload={b.cpu_offload}",
+            "",
+            "  per rank (GiB)     at peak   model state",
+        ]
+        for g in ("params", "grads", "optimizer", "activations", "temporaries", "comm"):
+            lines.append(f"  {g:<16} {_gib(getattr(b.peak, g)):9.2f}   {_gib(getattr(b.model_state, g)):9.2f}")
+        lines.append(f"  {'total':<16} {_gib(b.peak.total):9.2f}   {_gib(b.model_state.total):9.2f}")
+        if b.cpu_offload:
+            lines.append(f"  on GPU with cpu_offload (estimate): {_gib(b.offload_peak_bytes):.2f}")
+        verdict = "FITS" if b.fits else "DOES NOT FIT"
+        lines += ["", f"  peak {_gib(b.peak_bytes):.2f} GiB of {self.usable_gib:.1f} usable: {verdict} "
+                      f"({_gib(abs(b.margin_bytes)):.2f} GiB {'to spare' if b.fits else 'over'})"]
+        if self.alternatives:
+            lines += ["", f"  {'alternative':<44} {'peak GiB':>9} {'margin':>8}  fits"]
+            for s in self.alternatives:
+                lines.append(f"  {s.name:<44} {_gib(s.peak_bytes):9.2f} {_gib(s.margin_bytes):+8.2f}  "
+                             f"{'yes' if s.fits else 'no'}")
+            best = self.best_alternative()
+            lines.append("")
+            lines.append(f"  best: {best.name} ({_gib(best.margin_bytes):.2f} GiB to spare)" if best
+                         else "  no alternative tried fits")
+        for n in self.notes:
+            lines.append(f"  note: {n}")
+        lines.append(f"  ({self.seconds:.1f}s)")
+        return "\n".join(lines)
+
+
+# -- one fake step ---------------------------------------------------------------------------------
+
+def _lora_module():
+    try:
+        from shardlm import lora
+    except ImportError:
+        return None
+    return lora if hasattr(lora, "apply_lora") else None
+
+
+def _ac_mode(cfg: Config) -> str:
+    return getattr(cfg.train, "ac", "none") or "none"
+
+
+def _cpu_offload(cfg: Config) -> bool:
+    return bool(getattr(cfg.train, "cpu_offload", False))
+
+
+def _set(cfg: Config, dotted: str, value: Any) -> None:
+    """Set a config value, also keys the Config doesn't declare yet (train.ac, train.cpu_offload)."""
+    section, key = dotted.split(".", 1)
+    setattr(getattr(cfg, section), key, value)
+
+
+def build_sharded_model(cfg: Config, mc, mesh, device: torch.device):
+    """The trainer's model build order: meta -> LoRA -> AC -> fully_shard -> to_empty (no init)."""
+    from shardlm.models import Transformer
+    from shardlm.parallel.ac import apply_ac
+    from shardlm.parallel.fsdp import apply_fsdp, mp_policy
+
+    with torch.device("meta"):
+        model = Transformer(mc)
+    if cfg.lora.rank > 0:
+        lora = _lora_module()
+        if lora is None:
+            raise PlanError("lora.rank > 0 but shardlm.lora.apply_lora is not available")
+        lo = cfg.lora
+        lora.apply_lora(model, lo.rank, lo.alpha, lo.dropout, lo.targets, train_embeddings=lo.train_embeddings,
+                        train_norms=lo.train_norms)
+    apply_ac(model, _ac_mode(cfg))
+    apply_fsdp(model, mesh, mp_policy(cfg.train.mixed_precision, cfg.train.reduce_dtype),
+               cfg.parallel.reshard_after_forward)
+    model.to_empty(device=device)
+    return model
+
+
+def _tracker_class():
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPRefType
+
+    class PlanTracker(FSDPMemTracker):
+        """FSDPMemTracker, lighter and with one more number.
+
+        `_update_peak_stats` runs after every op; upstream it also refreshes the per-module peaks of
+        every active module (O(modules) per op), which the planner does not read. Here: the global
+        peak snapshot (as upstream) and the peak of what stays on the GPU under CPU offload.
+        """
+
+        offload_peak = 0
+
+        def _update_peak_stats(self, peak_state):
+            curr = getattr(self, "_curr_mem_snap", None)
+            if curr is None:  # a torch whose internals differ: fall back to the upstream bookkeeping
+                return super()._update_peak_stats(peak_state)
+            for dev, dev_snap in curr.items():
+                total = dev_snap["Total"]
+                if self._peak_mem.get(dev, 0) < total:
+                    self._peak_mem[dev] = total
+                    self._peak_mem_snap[dev] = dict(dev_snap)
+                off = total - sum(dev_snap.get(k, 0) for k in self._offloaded_keys)
+                if off > self.offload_peak:
+                    self.offload_peak = off
+
+    PlanTracker._offloaded_keys = tuple(k for k in _FSDPRefType if k.value in _OFFLOADED)
+    return PlanTracker
+
+
+def training_step(model, optimizer, params, batches, dp: int, grad_clip: float, tracker=None):
+    """What `Trainer.train_step` does to memory; returns the model-state snapshot taken after backward."""
+    from shardlm.parallel.fsdp import clip_grad_norm_
+
+    n_tokens = sum(y.numel() for _, y in batches) * dp
+    scale = dp / n_tokens
+    for k, (x, y) in enumerate(batches):
+        if len(batches) > 1:
+            model.set_requires_gradient_sync(k == len(batches) - 1)
+        logits = model(x)
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten(), ignore_index=IGNORE_INDEX,
+                               reduction="sum")
+        (loss * scale).backward()
+        del logits, loss
+    clip_grad_norm_(params, grad_clip)
+    state = tracker.get_tracker_snapshot("current") if tracker is not None else None
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return state
+
+
+def warm_optimizer(optimizer, params) -> None:
+    """Create the optimizer state as the first step would (zero gradients: values do not matter)."""
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def _measure(cfg: Config, world_size: int, usable_bytes: int, name: str,
+             overrides: dict[str, Any] | None = None) -> tuple[Scenario, int, int]:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from shardlm.optim import build_optimizer
+    from shardlm.parallel.mesh import ParallelDims
+    from shardlm.trainer import build_model_config
+
+    t0 = time.perf_counter()
+    dims = ParallelDims(cfg.parallel.dp_replicate, cfg.parallel.dp_shard, world_size)
+    mc = build_model_config(cfg, 0)
+    t, d = cfg.train, cfg.data
+    dev = torch.device("cpu")
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    try:
+        mesh = dims.build_mesh("cpu")  # outside FakeTensorMode: the mesh holds real (tiny) tensors
+        with FakeTensorMode():
+            model = build_sharded_model(cfg, mc, mesh, dev)
+            params = [p for p in model.parameters() if p.requires_grad]
+            trainable = sum(p.numel() for p in params)
+            # As the trainer builds it on CUDA: fused AdamW (one kernel, no per-parameter temporaries;
+            # torch has a CPU fused kernel too, so this runs on the fake CPU tensors).
+            optimizer = build_optimizer(model, t, torch.device("cuda"))
+            warm_optimizer(optimizer, params)
+            n_micro = min(t.grad_accum, 2)  # the 2nd..k-th micro-batch look the same to memory
+            batches = [(torch.zeros(t.micro_batch_size, d.seq_len, dtype=torch.long, device=dev),
+                        torch.zeros(t.micro_batch_size, d.seq_len, dtype=torch.long, device=dev))
+                       for _ in range(n_micro)]
+            tracker = _tracker_class()(model, optimizer)
+            tracker.track_inputs(tuple(batches))
+            with tracker:
+                state = training_step(model, optimizer, params, batches, dims.dp, t.grad_clip, tracker)
+            peak = Breakdown.from_snapshot(tracker.get_tracker_snapshot("peak"))
+            model_state = Breakdown.from_snapshot(state)
+            offload = tracker.offload_peak or (peak.total - sum(peak.raw.get(n, 0) for n in _OFFLOADED))
+            del model, optimizer, params, batches, tracker
+    finally:
+        dist.destroy_process_group()
+    cpu_offload = _cpu_offload(cfg)
+    scen = Scenario(name=name, world_size=world_size, micro_batch_size=t.micro_batch_size, seq_len=d.seq_len,
+                    grad_accum=t.grad_accum, ac=_ac_mode(cfg), lora_rank=cfg.lora.rank, cpu_offload=cpu_offload,
+                    peak=peak, model_state=model_state, offload_peak_bytes=int(offload),
+                    peak_bytes=int(offload) if cpu_offload else peak.total, usable_bytes=usable_bytes,
+                    seconds=time.perf_counter() - t0, overrides=dict(overrides or {}))
+    return scen, mc.num_params(), trainable
+
+
+def _variant(cfg: Config, overrides: dict[str, Any]) -> Config:
+    c = copy.deepcopy(cfg)
+    for k, v in overrides.items():
+        _set(c, k, v)
+    return c
+
+
+def plan(cfg: Config, world_size: int, gpu_mem_gib: float, gpus_per_node: int = 8,
+         headroom: float = DEFAULT_HEADROOM, alternatives: bool = True) -> PlanReport:
+    """Per-rank peak memory of one training step of `cfg` on `world_size` ranks of `gpu_mem_gib` GiB.
+
+    Runs in this process on fake tensors and a fake process group (see the module docstring), so
+    it must not be called where a process group already exists. When the config does not fit and
+    `alternatives` is true, each knob is tried in its own fake run: train.ac=full, CPU offload,
+    2x and 4x the ranks, LoRA rank 16, smaller micro-batches; if none fits alone, the same
+    combined with train.ac=full.
+    """
+    if dist.is_available() and dist.is_initialized():
+        raise PlanError("plan() runs its own fake process group and must be called where no process group "
+                        "exists (not inside torchrun/a training job); call dist.destroy_process_group() first")
+    if world_size < 1 or gpu_mem_gib <= 0 or not 0 <= headroom < 1:
+        raise ConfigError(f"plan: need world_size >= 1, gpu_mem_gib > 0 and headroom in [0, 1); got "
+                          f"{world_size}, {gpu_mem_gib}, {headroom}")
+    t0 = time.perf_counter()
+    usable = int(gpu_mem_gib * (1 - headroom) * GIB)
+    notes: list[str] = []
+    lora_ok = _lora_module() is not None
+    if cfg.lora.rank > 0 and not lora_ok:
+        raise PlanError("lora.rank > 0 but shardlm.lora.apply_lora is not available")
+    base, n_params, trainable = _measure(cfg, world_size, usable, "as configured")
+    report = PlanReport(model=cfg.model.preset if not cfg.model.init_from else cfg.model.init_from,
+                        n_params=n_params, trainable_params=trainable, world_size=world_size,
+                        gpus_per_node=gpus_per_node, gpu_mem_gib=gpu_mem_gib, headroom=headroom, base=base, notes=notes)
+    if cfg.train.grad_accum > 1:
+        notes.append("grad_accum > 1: the trainer turns gradient sync off on all but the last micro-batch, so "
+                     "each rank accumulates unsharded gradients of the whole model (counted here)")
+    if not base.fits and alternatives:
+        report.alternatives = _alternatives(cfg, world_size, gpus_per_node, usable, base, lora_ok, notes)
+    report.seconds = time.perf_counter() - t0
+    return report
+
+
+def _alternatives(cfg: Config, world_size: int, gpus_per_node: int, usable: int, base: Scenario,
+                  lora_ok: bool, notes: list[str]) -> list[Scenario]:
+    out: list[Scenario] = []
+    ac = _ac_mode(cfg)
+
+    def run(name: str, overrides: dict[str, Any], ws: int = world_size) -> Scenario:
+        if "parallel.dp_shard" not in overrides and ws != world_size:
+            overrides = {**overrides, "parallel.dp_shard": -1}
+        s, _, _ = _measure(_variant(cfg, overrides), ws, usable, name, overrides)
+        out.append(s)
+        return s
+
+    def offload_of(s: Scenario, name: str) -> Scenario:
+        o = dataclasses.replace(s, name=name, cpu_offload=True, peak_bytes=s.offload_peak_bytes, seconds=0.0,
+                                overrides={**s.overrides, "train.cpu_offload": True})
+        out.append(o)
+        return o
+
+    def node_label(k: int) -> str:
+        ws = world_size * k
+        return f"{k}x ranks: {ws} ({ws / gpus_per_node:g} nodes x {gpus_per_node})"
+
+    ac_full = None
+    if ac != "full":
+        ac_full = run("train.ac=full", {"train.ac": "full"})
+    if not base.cpu_offload:
+        offload_of(base, "train.cpu_offload=true (estimate)")
+    for k in (2, 4):
+        run(node_label(k), {}, world_size * k)
+    if cfg.lora.rank == 0:
+        if lora_ok:
+            run("lora.rank=16 (frozen base)", {"lora.rank": 16})
+        else:
+            notes.append("LoRA alternative skipped: shardlm.lora is not available")
+    mb = cfg.train.micro_batch_size
+    if mb > 1:
+        one = run("train.micro_batch_size=1", {"train.micro_batch_size": 1})
+        if one.fits:  # the largest micro-batch that fits: peak is ~linear in the micro-batch size
+            per_seq = (base.peak_bytes - one.peak_bytes) / (mb - 1)
+            k = min(mb - 1, int(1 + (usable - one.peak_bytes) / per_seq)) if per_seq > 0 else mb - 1
+            if k > 1:
+                s = run(f"train.micro_batch_size={k}", {"train.micro_batch_size": k})
+                if not s.fits and k - 1 > 1:
+                    run(f"train.micro_batch_size={k - 1}", {"train.micro_batch_size": k - 1})
+        notes.append("a smaller micro-batch shrinks the global batch; raising train.grad_accum to keep it costs "
+                     "the unsharded gradient accumulation (see grad_accum) in this trainer")
+    if not any(s.fits for s in out) and ac_full is not None:  # no single knob: combine with full AC
+        if not base.cpu_offload:
+            offload_of(ac_full, "train.ac=full + cpu_offload (estimate)")
+        for k in (2, 4):
+            run(f"train.ac=full + {node_label(k)}", {"train.ac": "full"}, world_size * k)
+        if cfg.lora.rank == 0 and lora_ok:
+            run("train.ac=full + lora.rank=16", {"train.ac": "full", "lora.rank": 16})
+        if mb > 1:
+            run("train.ac=full + micro_batch_size=1", {"train.ac": "full", "train.micro_batch_size": 1})
+    return out
+
+
+# -- command line ----------------------------------------------------------------------------------
+
+PLAN_USAGE = ("usage: shardlm plan --config FILE --nodes N --gpus-per-node G --gpu-mem-gib M [--headroom F] "
+              "[--json] [--section.key=value ...]")
+
+
+def plan_command(args: list[str]) -> int:
+    """`shardlm plan ...`: print the report (or its JSON); exit 0 if it fits, 3 if it does not."""
+    from shardlm.config import load_config
+
+    if "-h" in args or "--help" in args:
+        print(PLAN_USAGE)
+        return 0
+    opts: dict[str, str] = {}
+    rest: list[str] = []
+    as_json = False
+    names = ("--config", "--nodes", "--gpus-per-node", "--gpu-mem-gib", "--headroom")
+    i = 0
+    while i < len(args):
+        a = args[i]
+        key = a.split("=", 1)[0]
+        if a == "--json":
+            as_json = True
+        elif key in names:
+            if "=" in a:
+                opts[key] = a.split("=", 1)[1]
+            elif i + 1 < len(args):
+                opts[key] = args[i + 1]
+                i += 1
+            else:
+                raise ConfigError(f"{a} needs a value; {PLAN_USAGE}")
+        else:
+            rest.append(a)
+        i += 1
+    try:
+        nodes = int(opts.get("--nodes", "1"))
+        gpn = int(opts.get("--gpus-per-node", "8"))
+        mem = float(opts["--gpu-mem-gib"]) if "--gpu-mem-gib" in opts else None
+        headroom = float(opts.get("--headroom", str(DEFAULT_HEADROOM)))
+    except ValueError as e:
+        raise ConfigError(f"plan: {e}; {PLAN_USAGE}") from None
+    if mem is None:
+        raise ConfigError(f"plan: --gpu-mem-gib is required; {PLAN_USAGE}")
+    # train.ac / train.cpu_offload may not be Config keys yet: take them off the overrides ourselves.
+    extra: dict[str, Any] = {}
+    keep: list[str] = []
+    from shardlm.config import TrainSection
+    declared = {f.name for f in dataclasses.fields(TrainSection)}
+    for a in rest:
+        k, _, v = a[2:].partition("=")
+        if k in ("train.ac", "train.cpu_offload") and k.split(".")[1] not in declared and v:
+            extra[k] = v.lower() in ("1", "true", "yes", "on") if k == "train.cpu_offload" else v
+        else:
+            keep.append(a)
+    cfg = load_config(opts.get("--config"), keep)
+    for k, v in extra.items():
+        _set(cfg, k, v)
+    report = plan(cfg, nodes * gpn, mem, gpn, headroom=headroom)
+    print(report.to_json() if as_json else report.format())
+    return 0 if report.fits else 3
+
+
+__all__ = ["Breakdown", "Scenario", "PlanReport", "PlanError", "plan", "plan_command", "training_step",
+           "warm_optimizer", "build_sharded_model", "GIB", "DEFAULT_HEADROOM"]
