@@ -297,6 +297,14 @@ def _tracker_class():
                 if off > self.offload_peak:
                     self.offload_peak = off
 
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            # `tensor.device` on a fake tensor is itself an op (prim.device) and the autograd engine
+            # asks it hundreds of times per block: it allocates nothing, skip the bookkeeping.
+            if func is _prim_device:
+                return func(*args, **(kwargs or {}))
+            return super().__torch_dispatch__(func, types, args, kwargs)
+
+    _prim_device = torch.ops.prim.device.default
     PlanTracker._offloaded_keys = tuple(k for k in _FSDPRefType if k.value in _OFFLOADED)
     return PlanTracker
 
