@@ -23,7 +23,7 @@ $(VENV)/.core: $(VENV)/.base pyproject.toml
 	@touch $@
 
 $(VENV)/.dev: $(VENV)/.base pyproject.toml
-	$(PIP) install -e '.[dev,hf,viz]'
+	$(PIP) install -e '.[dev,hf,viz,fp8]'
 	@touch $@ $(VENV)/.core
 
 install: $(VENV)/.core

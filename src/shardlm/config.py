@@ -84,8 +84,12 @@ class TrainSection:
     seed: int = _f(0, "Seed for initialisation, data order and sampling; runs are deterministic on CPU.")
     micro_batch_size: int = _f(8, "Sequences per rank per micro-batch.")
     grad_accum: int = _f(1, "Micro-batches per optimizer step (gradients reduced on the last only).")
-    mixed_precision: Literal["bf16", "fp32"] = _f(
-        "bf16", "bf16: bf16 params/compute with fp32 master weights and optimizer state; fp32: all fp32.")
+    mixed_precision: Literal["bf16", "fp32", "fp8"] = _f(
+        "bf16", "bf16: bf16 params/compute with fp32 master weights and optimizer state; fp32: all fp32; "
+        "fp8: bf16 plus torchao float8 linears (needs the [fp8] extra and an FP8-capable GPU).")
+    fp8_recipe: Literal["tensorwise", "rowwise"] = _f(
+        "tensorwise", "torchao float8 scaling: tensorwise (float8 all-gather in FSDP) or rowwise (more accurate).")
+    fp8_emulate: bool = _f(False, "Emulate the float8 matmuls (any device; slow): for tests on CPU.")
     reduce_dtype: Literal["fp32", "bf16"] = _f("fp32", "Dtype of the gradient reduce-scatter/all-reduce.")
     ac: Literal["none", "full", "selective", "selective_op"] = _f(
         "none", "Activation checkpointing: none; full (every block); selective (every train.ac_every-th block); "

@@ -249,8 +249,8 @@ def _set(cfg: Config, dotted: str, value: Any) -> None:
     setattr(getattr(cfg, section), key, value)
 
 
-def build_sharded_model(cfg: Config, mc, mesh, device: torch.device):
-    """The trainer's model build order: meta -> LoRA -> AC -> fully_shard -> to_empty (no init)."""
+def build_sharded_model(cfg: Config, mc, mesh):
+    """The trainer's model build order on `meta`: LoRA -> AC -> fully_shard (then `to_empty`, init)."""
     from shardlm.models import Transformer
     from shardlm.parallel.ac import apply_ac
     from shardlm.parallel.fsdp import apply_fsdp, mp_policy
@@ -267,7 +267,6 @@ def build_sharded_model(cfg: Config, mc, mesh, device: torch.device):
     apply_ac(model, _ac_mode(cfg))
     apply_fsdp(model, mesh, mp_policy(cfg.train.mixed_precision, cfg.train.reduce_dtype),
                cfg.parallel.reshard_after_forward)
-    model.to_empty(device=device)
     return model
 
 
@@ -309,8 +308,53 @@ def _tracker_class():
     return PlanTracker
 
 
-def training_step(model, optimizer, params, batches, dp: int, grad_clip: float, tracker=None):
-    """What `Trainer.train_step` does to memory; returns the model-state snapshot taken after backward."""
+def local_adamw(model, t) -> tuple[torch.optim.AdamW, list[tuple[torch.Tensor, torch.Tensor]]]:
+    """The trainer's AdamW (`build_optimizer`: same groups and hyper-parameters, fused as on CUDA),
+    over each sharded parameter's local shard instead of the DTensor.
+
+    Memory is the same (the moments are shard-sized either way, and the fused kernel allocates
+    nothing); what it saves is DTensor's sharding propagation for one fused op over every parameter,
+    which on fake tensors costs seconds and grows with the square of the parameter count.
+    Returns the optimizer and (DTensor parameter, its local shard) pairs.
+    """
+    from shardlm.optim import build_optimizer
+
+    ref = build_optimizer(model, t, torch.device("cuda"))
+    pairs, groups = [], []
+    with torch.no_grad():
+        for g in ref.param_groups:
+            local = []
+            for p in g["params"]:
+                lp = p.to_local() if hasattr(p, "to_local") else p
+                pairs.append((p, lp))
+                local.append(lp)
+            groups.append({**g, "params": local})
+    return torch.optim.AdamW(groups, fused=True), pairs
+
+
+def _sync_grads(pairs, set_none: bool = False) -> None:
+    for p, lp in pairs:
+        if set_none:
+            p.grad = lp.grad = None
+        elif p.grad is not None:
+            lp.grad = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+
+
+def warm_optimizer(optimizer, pairs) -> None:
+    """Create the optimizer state, as the first step does (zero gradients: values do not matter)."""
+    for _, lp in pairs:
+        lp.grad = torch.zeros_like(lp)
+    optimizer.step()
+    _sync_grads(pairs, set_none=True)
+
+
+def training_step(model, optimizer, pairs, batches, dp: int, grad_clip: float, tracker=None):
+    """What `Trainer.train_step` does to memory; returns the model-state snapshot taken after backward.
+
+    Forward, fp32 CE (sum) and backward of each micro-batch (gradient sync on the last only), the
+    global grad-norm clip (over the local shards: the trainer's all-reduce of one scalar is left
+    out), the optimizer step, `zero_grad(set_to_none=True)`.
+    """
     from shardlm.parallel.fsdp import clip_grad_norm_
 
     n_tokens = sum(y.numel() for _, y in batches) * dp
@@ -323,19 +367,12 @@ def training_step(model, optimizer, params, batches, dp: int, grad_clip: float, 
                                reduction="sum")
         (loss * scale).backward()
         del logits, loss
-    clip_grad_norm_(params, grad_clip)
+    _sync_grads(pairs)
+    clip_grad_norm_([lp for _, lp in pairs], grad_clip)
     state = tracker.get_tracker_snapshot("current") if tracker is not None else None
     optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
+    _sync_grads(pairs, set_none=True)
     return state
-
-
-def warm_optimizer(optimizer, params) -> None:
-    """Create the optimizer state as the first step would (zero gradients: values do not matter)."""
-    for p in params:
-        p.grad = torch.zeros_like(p)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
 
 
 def _measure(cfg: Config, world_size: int, usable_bytes: int, name: str,
@@ -343,7 +380,6 @@ def _measure(cfg: Config, world_size: int, usable_bytes: int, name: str,
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from shardlm.optim import build_optimizer
     from shardlm.parallel.mesh import ParallelDims
     from shardlm.trainer import build_model_config
 
@@ -355,14 +391,12 @@ def _measure(cfg: Config, world_size: int, usable_bytes: int, name: str,
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
     try:
         mesh = dims.build_mesh("cpu")  # outside FakeTensorMode: the mesh holds real (tiny) tensors
-        with FakeTensorMode():
-            model = build_sharded_model(cfg, mc, mesh, dev)
-            params = [p for p in model.parameters() if p.requires_grad]
-            trainable = sum(p.numel() for p in params)
-            # As the trainer builds it on CUDA: fused AdamW (one kernel, no per-parameter temporaries;
-            # torch has a CPU fused kernel too, so this runs on the fake CPU tensors).
-            optimizer = build_optimizer(model, t, torch.device("cuda"))
-            warm_optimizer(optimizer, params)
+        model = build_sharded_model(cfg, mc, mesh)  # on meta, as the trainer shards it
+        with FakeTensorMode(allow_non_fake_inputs=True):  # to_empty reads the meta tensors
+            model.to_empty(device=dev)  # fake storages: shapes and sizes, no memory
+            optimizer, pairs = local_adamw(model, t)
+            trainable = sum(p.numel() for p, _ in pairs)  # global sizes (DTensor.numel)
+            warm_optimizer(optimizer, pairs)
             n_micro = min(t.grad_accum, 2)  # the 2nd..k-th micro-batch look the same to memory
             batches = [(torch.zeros(t.micro_batch_size, d.seq_len, dtype=torch.long, device=dev),
                         torch.zeros(t.micro_batch_size, d.seq_len, dtype=torch.long, device=dev))
@@ -370,11 +404,11 @@ def _measure(cfg: Config, world_size: int, usable_bytes: int, name: str,
             tracker = _tracker_class()(model, optimizer)
             tracker.track_inputs(tuple(batches))
             with tracker:
-                state = training_step(model, optimizer, params, batches, dims.dp, t.grad_clip, tracker)
+                state = training_step(model, optimizer, pairs, batches, dims.dp, t.grad_clip, tracker)
             peak = Breakdown.from_snapshot(tracker.get_tracker_snapshot("peak"))
             model_state = Breakdown.from_snapshot(state)
             offload = tracker.offload_peak or (peak.total - sum(peak.raw.get(n, 0) for n in _OFFLOADED))
-            del model, optimizer, params, batches, tracker
+            del model, optimizer, pairs, batches, tracker
     finally:
         dist.destroy_process_group()
     cpu_offload = _cpu_offload(cfg)

@@ -24,6 +24,7 @@ from shardlm.generate import generate
 from shardlm.metrics import MetricsLogger, Throughput, memory_gib, peak_flops
 from shardlm.models import ModelConfig, Transformer, get_preset
 from shardlm.optim import build_lr_scheduler, build_optimizer
+from shardlm.parallel.fp8 import apply_fp8, check_fp8_hardware, fp8_all_gather, precompute_fp8_scales
 from shardlm.parallel.fsdp import apply_compile, apply_fsdp, clip_grad_norm_, mp_policy, shard_view
 from shardlm.parallel.mesh import (ParallelDims, dp_rank, init_distributed, launched_world_size,
                                    restart_store_warning)
@@ -88,6 +89,9 @@ def build_model(mc: ModelConfig, mesh, cfg: Config, device: torch.device) -> Tra
                        train_norms=lo.train_norms)
         except ValueError as e:
             raise ConfigError(f"lora.targets: {e}") from None
+    if t.mixed_precision == "fp8":
+        check_fp8_hardware(device, t.fp8_emulate)
+        apply_fp8(model, t.fp8_recipe, t.fp8_emulate, fp8_all_gather(t.fp8_recipe, device))
     if t.ac != "none":
         from shardlm.parallel.ac import apply_ac
 
@@ -194,6 +198,8 @@ class Trainer:
         self.loader, self.data_meta = self.build_data()
         self.model = build_model(self.model_cfg, self.mesh, cfg, self.env.device)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.fp8_all_gather = cfg.train.mixed_precision == "fp8" and fp8_all_gather(cfg.train.fp8_recipe,
+                                                                                       self.env.device)
         self.optimizer = build_optimizer(self.model, cfg.train, self.env.device)
         self.checkpointer = Checkpointer(cfg.checkpoint, self.checkpoint_dir, self.env.rank, log=self.log,
                                          trainable_only=cfg.lora.adapters_only)
@@ -297,6 +303,8 @@ class Trainer:
             loss_sum += loss.detach()
         grad_norm = clip_grad_norm_(self.params, self.cfg.train.grad_clip)
         self.optimizer.step()
+        if self.fp8_all_gather:
+            precompute_fp8_scales(self.model)
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return loss_sum / n_tokens, grad_norm, stop > 0

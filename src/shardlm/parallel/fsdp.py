@@ -13,8 +13,10 @@ DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
 def mp_policy(param_dtype: str, reduce_dtype: str) -> MixedPrecisionPolicy:
-    """bf16 params/compute with fp32 reduce is the usual; fp32 leaves everything in fp32."""
-    return MixedPrecisionPolicy(param_dtype=DTYPES[param_dtype], reduce_dtype=DTYPES[reduce_dtype])
+    """bf16 params/compute with fp32 reduce is the usual; fp32 leaves everything in fp32; fp8 runs its
+    float8 matmuls on top of bf16."""
+    dtype = DTYPES["bf16" if param_dtype == "fp8" else param_dtype]
+    return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=DTYPES[reduce_dtype])
 
 
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh, mp: MixedPrecisionPolicy,
@@ -25,7 +27,8 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, mp: MixedPrecisionPolicy,
     resharding would only cost an extra all-gather. With `cpu_offload` the sharded parameters,
     gradients and optimizer state live in (pinned) host memory between uses.
     """
-    offload = CPUOffloadPolicy() if cpu_offload else OffloadPolicy()
+    # Pinned host memory makes the H2D copies async; there is nothing to pin for without an accelerator.
+    offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload else OffloadPolicy()
     blocks = list(model.layers)
     for i, block in enumerate(blocks):
         fully_shard(block, mesh=mesh, mp_policy=mp, offload_policy=offload,

@@ -1,0 +1,65 @@
+"""FP8 training through torchao: float8 linears (tensorwise or rowwise scaling) on top of bf16.
+
+Applied to the plain model before activation checkpointing, compile and FSDP. Only exact
+`nn.Linear` layers whose in/out features are multiples of 16 are converted; the output head
+(`lm_head`) stays bf16 (its logits feed the loss), and so do LoRA layers (their base is frozen and
+their adapters are tiny). With tensorwise scaling on CUDA, FSDP all-gathers the weights in float8
+(half the bytes of bf16); gloo has no float8 collectives, so that path is NCCL-only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import nn
+
+from shardlm.config import ConfigError
+
+
+def _torchao():
+    try:
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    except ImportError:
+        raise ConfigError("train.mixed_precision=fp8 needs torchao: pip install 'shardlm[fp8]'") from None
+    return Float8LinearConfig, convert_to_float8_training
+
+
+def check_fp8_hardware(device: torch.device, emulate: bool) -> None:
+    """FP8 matmuls need compute capability >= 8.9 (Ada, Hopper, Blackwell) unless emulated."""
+    if emulate:
+        return
+    if device.type != "cuda" or torch.cuda.get_device_capability(device) < (8, 9):
+        where = torch.cuda.get_device_name(device) if device.type == "cuda" else "the CPU"
+        raise ConfigError(f"train.mixed_precision=fp8 needs FP8 matmuls (H100/H200/B200/L40S-class GPU) and "
+                          f"{where} has none; use bf16, or set train.fp8_emulate=true to emulate them (slow, for tests)")
+
+
+def fp8_all_gather(recipe: str, device: torch.device) -> bool:
+    """Float8 all-gather in FSDP: tensorwise scaling only, and only over NCCL."""
+    return recipe == "tensorwise" and device.type == "cuda"
+
+
+def apply_fp8(model: nn.Module, recipe: str, emulate: bool, all_gather: bool) -> list[str]:
+    """Swap eligible linears for torchao Float8Linear; returns their names."""
+    Float8LinearConfig, convert = _torchao()
+    config = dataclasses.replace(Float8LinearConfig.from_recipe_name(recipe), emulate=emulate,
+                                 enable_fsdp_float8_all_gather=all_gather)
+    converted: list[str] = []
+
+    def eligible(module: nn.Module, fqn: str) -> bool:
+        ok = (type(module) is nn.Linear and fqn.split(".")[-1] != "lm_head"
+              and module.in_features % 16 == 0 and module.out_features % 16 == 0)
+        if ok:
+            converted.append(fqn)
+        return ok
+
+    convert(model, config=config, module_filter_fn=eligible)
+    return converted
+
+
+def precompute_fp8_scales(model: nn.Module) -> None:
+    """After the optimizer step, one all-reduce computes every float8 weight's scale (all-gather path)."""
+    from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+    precompute_float8_dynamic_scale_for_fsdp(model)
