@@ -13,6 +13,8 @@ commands:
   train  --help                                     every config key, its default and what it does
   convert dcp-to-hf CHECKPOINT OUT [--merge-lora] [--adapter-only] [--dtype bf16|fp32] [--tokenizer DIR]
   convert hf-to-dcp HF_DIR OUT [--dtype fp32|bf16]
+  plan   --config FILE --nodes N --gpus-per-node G --gpu-mem-gib M [--json] [--section.key=value ...]
+                                                    per-rank memory before launch: does it fit, and if not, what would
   make-debug-hf OUT                                 a tiny HF-format model + SFT data (for debug_lora.toml)
   presets                                           list the model presets
 """
@@ -159,7 +161,11 @@ def main(argv: list[str] | None = None) -> int:
             return _convert(rest)
         if cmd == "make-debug-hf":
             return _make_debug_hf(rest)
-        raise ConfigError(f"unknown command {cmd!r}; commands: train, convert, make-debug-hf, presets")
+        if cmd == "plan":
+            from shardlm.plan import plan_command
+
+            return plan_command(rest)
+        raise ConfigError(f"unknown command {cmd!r}; commands: train, plan, convert, make-debug-hf, presets")
     except ShardlmError as e:
         _report(f"shardlm: error: {e}")
         return 2 if isinstance(e, ConfigError) else 1

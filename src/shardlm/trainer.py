@@ -187,9 +187,9 @@ class Trainer:
         self.model_cfg = build_model_config(cfg, self.tokenizer.vocab_size)
         self.files = resolve_files(cfg.data.path)
         self.env = init_distributed(cfg.train.device)
+        self.is_rank0 = self.env.rank == 0
         # From here on a SIGTERM is a request to checkpoint and stop, honoured after the next step.
         self.preemption = Preemption(cfg.checkpoint.preempt_grace_s, self.log)
-        self.is_rank0 = self.env.rank == 0
         if self.is_rank0 and (warning := restart_store_warning()):
             print(warning, file=sys.stderr, flush=True)
         torch.manual_seed(cfg.train.seed)

@@ -8,7 +8,7 @@ import torch
 
 from launch import run_ranks
 
-STEPS = 12
+STEPS = 10
 REL_TOL = 1e-5
 
 
@@ -16,7 +16,8 @@ def _overrides(tmp, corpus, tag, mbs, accum, **extra):
     o = {"model.preset": "debug", "train.steps": STEPS, "train.output_dir": f"{tmp}/{tag}",
          "train.mixed_precision": "fp32", "train.micro_batch_size": mbs, "train.grad_accum": accum,
          "train.lr": 3e-3, "train.warmup_steps": 3, "data.path": str(corpus), "data.seq_len": 64,
-         "data.cache_dir": f"{tmp}/cache", "metrics.log_every": 1, "metrics.progress_bar": False}
+         "data.cache_dir": f"{tmp}/cache", "metrics.log_every": 1, "metrics.progress_bar": False,
+         "checkpoint.save_final": False}
     o.update(extra)
     return [f"--{k}={v}" for k, v in o.items()]
 
@@ -40,8 +41,26 @@ def train_runs(runs: dict[str, list[str]]) -> dict[str, dict]:
         recs = t.train()
         out[tag] = {"loss": [r["loss"] for r in recs], "grad_norm": [r["grad_norm"] for r in recs],
                     "weights": {n: p.full_tensor().double().sum().item() for n, p in t.model.named_parameters()},
-                    "init_diff": init_diff}
+                    "init_diff": init_diff, "local_bytes": local_state_bytes(t)}
     return out
+
+
+def local_state_bytes(t) -> list[dict]:
+    """Every rank's bytes of sharded params, grads (after one more backward) and AdamW moments,
+    summed from the real local tensors."""
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    x, y = t.loader.next_step()[0]
+    F.cross_entropy(t.model(x).flatten(0, 1), y.flatten()).backward()
+    nbytes = lambda ts: sum(v.numel() * v.element_size() for v in ts)  # noqa: E731
+    mine = {"params": nbytes(p.to_local() for p in t.model.parameters()),
+            "grads": nbytes(p.grad.to_local() for p in t.model.parameters()),
+            "optim": nbytes(v.to_local() for s in t.optimizer.state.values() for k, v in s.items() if k != "step")}
+    t.optimizer.zero_grad(set_to_none=True)
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    return everyone
 
 
 @pytest.fixture(scope="module")
@@ -97,3 +116,24 @@ def test_loss_falls(results):
 @pytest.mark.parametrize("tag", ["1rank", "fsdp2", "fsdp4", "hsdp2x2"])
 def test_sharded_init_equals_unsharded_init(results, tag):
     assert results[tag]["init_diff"] == 0.0
+
+
+@pytest.mark.parametrize("tag, n", [("1rank", 1), ("fsdp2", 2), ("fsdp4", 4)])
+def test_each_rank_holds_one_nth_of_the_state(results, tag, n):
+    """Memory falls linearly: params, grads and AdamW moments per rank are total / N (within FSDP's
+    dim-0 padding: at most one row of each parameter more), and together exactly the model once."""
+    from shardlm.models import PRESETS
+
+    cfg = PRESETS["debug"]
+    full = 4 * cfg.num_params()
+    with torch.device("meta"):
+        from shardlm.models import Transformer
+
+        rows = [p.shape[0] for p in Transformer(cfg).parameters()]
+    slack = 4 * sum(cfg.num_params() / r for r in rows)  # generous: one row of every parameter
+    ranks = results[tag]["local_bytes"]
+    assert len(ranks) == n
+    for r in ranks:
+        assert abs(r["params"] - full / n) <= slack and abs(r["grads"] - full / n) <= slack
+        assert abs(r["optim"] - 2 * full / n) <= 2 * slack
+    assert sum(r["params"] for r in ranks) == full

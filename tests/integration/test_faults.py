@@ -68,7 +68,7 @@ def _args(tmp: Path, corpus: Path, run: str, steps: int, **extra) -> list[str]:
 
 
 def test_sigkill_one_rank_restarts_and_matches_uninterrupted(tmp_path, corpus):
-    steps = 30
+    steps = 20
     ref = subprocess.run(_cmd(_args(tmp_path, corpus, "ref", steps), nproc=2), capture_output=True, text=True,
                          cwd=ROOT, timeout=300, env=ENV)
     assert ref.returncode == 0, ref.stdout[-2000:] + ref.stderr[-2000:]

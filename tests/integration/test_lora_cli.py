@@ -57,7 +57,7 @@ def _read_dcp(ck: Path) -> dict[str, torch.Tensor]:
 def run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("lora")
     _shardlm("make-debug-hf", str(tmp / "assets"))
-    p = _shardlm(*_train_args(tmp / "assets", tmp / "run", 30), nproc=2)
+    p = _shardlm(*_train_args(tmp / "assets", tmp / "run", 20), nproc=2)
     return tmp, p
 
 
@@ -65,7 +65,7 @@ def test_lora_trains_and_only_adapters_change(run):
     tmp, p = run
     assert "LoRA r=8" in p.stdout and "sft data:" in p.stdout
     loss = _records(tmp / "run")
-    assert loss[30] < loss[1] - 1.0, loss
+    assert loss[20] < loss[1] - 1.0, loss
     from safetensors.torch import load_file
 
     from shardlm.models.hf import hf_key_to_ours
@@ -73,7 +73,7 @@ def test_lora_trains_and_only_adapters_change(run):
     base = {}
     for f in sorted((tmp / "assets" / "model").glob("*.safetensors")):
         base.update({hf_key_to_ours(k): v for k, v in load_file(f).items()})
-    trained = _read_dcp(tmp / "run" / "checkpoints" / "step-30")
+    trained = _read_dcp(tmp / "run" / "checkpoints" / "step-20")
     lora = {k for k in trained if ".lora_" in k}
     assert len(lora) == 2 * 7 * 4  # A and B for 7 projections x 4 blocks
     for k, v in trained.items():
@@ -85,11 +85,11 @@ def test_lora_trains_and_only_adapters_change(run):
 
 def test_resume_from_step_10_reproduces_the_run(run):
     tmp, _ = run
-    ck = tmp / "run" / "checkpoints" / "step-20"
-    _shardlm(*_train_args(tmp / "assets", tmp / "resumed", 30, **{"checkpoint.resume": ck}), nproc=2)
+    ck = tmp / "run" / "checkpoints" / "step-10"
+    _shardlm(*_train_args(tmp / "assets", tmp / "resumed", 20, **{"checkpoint.resume": ck}), nproc=2)
     straight, resumed = _records(tmp / "run"), _records(tmp / "resumed")
-    assert min(resumed) == 21
-    assert [resumed[s] for s in range(21, 31)] == [straight[s] for s in range(21, 31)]
+    assert min(resumed) == 11
+    assert [resumed[s] for s in range(11, 21)] == [straight[s] for s in range(11, 21)]
 
 
 def test_merged_export_equals_base_plus_peft_adapter(run):
@@ -97,7 +97,7 @@ def test_merged_export_equals_base_plus_peft_adapter(run):
     from transformers import AutoModelForCausalLM
 
     tmp, _ = run
-    ck = tmp / "run" / "checkpoints" / "step-30"
+    ck = tmp / "run" / "checkpoints" / "step-20"
     _shardlm("convert", "dcp-to-hf", str(ck), str(tmp / "merged"), "--merge-lora", "--dtype", "fp32")
     _shardlm("convert", "dcp-to-hf", str(ck), str(tmp / "adapter"), "--adapter-only")
     assert (tmp / "merged" / "tokenizer.json").is_file() and (tmp / "adapter" / "adapter_config.json").is_file()
@@ -116,7 +116,7 @@ def test_adapters_only_checkpoints_are_small_and_resume(run):
     tmp, _ = run
     args = dict(**{"lora.adapters_only": "true", "checkpoint.interval": 5})
     _shardlm(*_train_args(tmp / "assets", tmp / "small", 5, **args), nproc=2)
-    full = sum(f.stat().st_size for f in (tmp / "run" / "checkpoints" / "step-30").glob("*.distcp"))
+    full = sum(f.stat().st_size for f in (tmp / "run" / "checkpoints" / "step-20").glob("*.distcp"))
     small = sum(f.stat().st_size for f in (tmp / "small" / "checkpoints" / "step-5").glob("*.distcp"))
     assert small < 0.35 * full, (small, full)
     p = _shardlm(*_train_args(tmp / "assets", tmp / "small", 8, **args), nproc=2)

@@ -1,0 +1,180 @@
+"""The memory planner (`shardlm.plan`): one fake training step per scenario, per rank.
+
+Fast checks run the debug model. The full-size ones (llama3_70b, llama3_405b: every layer, fake
+tensors) take tens of seconds each on a small CPU and are marked slow. How close the planner is to
+a real run is checked in tests/distributed/test_plan_accuracy.py.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import torch.distributed as dist
+
+from shardlm.config import load_config
+from shardlm.plan import GIB, Breakdown, PlanError, plan, plan_command
+
+
+def _cfg(*overrides: str, ac: str | None = None):
+    cfg = load_config(None, list(overrides))
+    if ac is not None:
+        cfg.train.ac = ac  # not a Config key yet: the planner reads it with getattr
+    return cfg
+
+
+def _lora_available() -> bool:
+    try:
+        from shardlm.lora import apply_lora  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+BIG = ("--data.seq_len=2048", "--train.micro_batch_size=1")
+
+
+# -- fast: the debug model --------------------------------------------------------------------------
+
+def test_debug_plan_is_quick_and_consistent():
+    t0 = time.process_time()
+    r = plan(_cfg("--model.preset=debug"), world_size=2, gpu_mem_gib=80, gpus_per_node=2)
+    assert time.process_time() - t0 < 20  # a few seconds of CPU, even on a busy machine
+    b = r.base
+    assert r.fits and b.fits and not r.alternatives
+    assert b.peak.total == sum(b.peak.raw.values())  # the split adds up to the peak
+    assert b.peak.total == sum(getattr(b.peak, g) for g in
+                               ("params", "grads", "optimizer", "activations", "temporaries", "comm"))
+    assert b.peak.total >= b.model_state.total > 0
+    # AdamW moments: 2 fp32 tensors per trainable parameter, sharded over 2 ranks (+ step counters)
+    assert b.model_state.optimizer == pytest.approx(8 * r.trainable_params / 2, rel=0.02)
+    assert b.model_state.raw["Sharded Param"] == pytest.approx(4 * r.n_params / 2, rel=0.02)
+    d = json.loads(r.to_json())
+    assert d["fits"] is True and d["base"]["peak"]["total"] == b.peak.total
+    text = r.format()
+    assert "FITS" in text and "activations" in text
+
+
+SMALL = ("--model.preset=debug", "--model.n_layers=2")  # each alternative is a fake run: keep them cheap
+
+
+def test_alternatives_when_it_does_not_fit():
+    cfg = _cfg(*SMALL, "--train.micro_batch_size=8")
+    base = plan(cfg, world_size=2, gpu_mem_gib=80, alternatives=False).base
+    ac_full = plan(_cfg(*SMALL, "--train.micro_batch_size=8", ac="full"), 2, 80, alternatives=False).base
+    # Usable memory halfway between the two: full AC fits, the config as it is does not.
+    mem_gib = (ac_full.peak.total + base.peak.total) / 2 / GIB / 0.9
+    r = plan(cfg, world_size=2, gpu_mem_gib=mem_gib)
+    assert not r.fits
+    alts = {s.name: s for s in r.alternatives}
+    assert alts["train.ac=full"].peak_bytes < r.base.peak_bytes
+    assert alts["train.ac=full"].fits
+    assert alts["train.micro_batch_size=1"].fits
+    assert alts["train.cpu_offload=true"].peak_bytes < r.base.peak_bytes
+    assert "2x ranks: 4 (0.5 x 8 GPUs)" in alts
+    if _lora_available():
+        assert alts["lora.rank=16 (frozen base)"].lora_rank == 16
+    best = r.best_alternative()
+    assert best is not None and best.fits and best.margin_bytes == max(s.margin_bytes for s in r.alternatives)
+    assert "most room" in r.format()
+    json.loads(r.to_json())
+
+
+def test_model_state_bound_skips_hopeless_runs():
+    cfg = _cfg(*SMALL)
+    base = plan(cfg, world_size=2, gpu_mem_gib=80, alternatives=False).base
+    r = plan(cfg, world_size=2, gpu_mem_gib=0.5 * base.model_state.total / GIB)
+    alts = {s.name: s for s in r.alternatives}
+    skipped = alts["train.ac=full"]  # AC does not shrink params/grads/optimizer state: not run
+    assert not skipped.measured and not skipped.fits and skipped.peak_bytes == base.model_state.total
+    assert alts["2x ranks: 4 (0.5 x 8 GPUs)"].measured
+
+
+def test_grad_accum_counts_unsharded_gradients():
+    one = plan(_cfg("--model.preset=debug", "--train.mixed_precision=fp32"), 2, 80, alternatives=False)
+    two = plan(_cfg("--model.preset=debug", "--train.mixed_precision=fp32", "--train.grad_accum=2"), 2, 80,
+               alternatives=False)
+    # no gradient sync on the first micro-batch: every rank holds the whole model's gradients
+    assert two.base.peak.raw["Unsharded Grad"] >= 0.9 * 4 * two.n_params
+    assert one.base.peak.raw["Unsharded Grad"] < 0.5 * 4 * one.n_params
+    assert any("grad_accum" in n for n in two.notes)
+
+
+def test_hsdp_mesh_and_ac_modes():
+    r = plan(_cfg("--model.preset=debug", "--parallel.dp_replicate=2", ac="full"), world_size=4, gpu_mem_gib=80,
+             alternatives=False)
+    assert r.fits and r.base.ac == "full"
+    # HSDP: sharded over 2 ranks (not 4)
+    assert r.base.model_state.raw["Sharded Param"] == pytest.approx(4 * r.n_params / 2, rel=0.02)
+
+
+def test_refuses_inside_a_process_group():
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        with pytest.raises(PlanError, match="process group"):
+            plan(_cfg("--model.preset=debug"), 2, 80)
+    finally:
+        dist.destroy_process_group()
+    assert not dist.is_initialized()
+
+
+def test_leaves_no_process_group_behind():
+    plan(_cfg("--model.preset=debug"), 2, 80, alternatives=False)
+    assert not dist.is_initialized()
+
+
+def test_cli(capsys):
+    rc = plan_command(["--nodes", "1", "--gpus-per-node", "2", "--gpu-mem-gib", "80", "--json",
+                       "--model.preset=debug", "--train.ac=full"])
+    out = json.loads(capsys.readouterr().out)
+    assert rc == 0 and out["fits"] and out["world_size"] == 2 and out["base"]["ac"] == "full"
+    rc = plan_command(["--nodes=1", "--gpus-per-node=2", "--gpu-mem-gib=0.001", "--no-alternatives",
+                       "--model.preset=debug"])
+    text = capsys.readouterr().out
+    assert rc == 3 and "DOES NOT FIT" in text
+
+
+def test_breakdown_grouping():
+    snap = {"cpu": {"Sharded Param": 1, "Unsharded Param": 2, "Buffer": 4, "Sharded Grad": 8, "Unsharded Grad": 16,
+                    "Activation": 32, "Inputs": 64, "Temp": 128, "All Gather": 256, "Reduce Scatter": 512,
+                    "OptState": 1024, "Total": 2047}}
+    b = Breakdown.from_snapshot(snap)
+    assert (b.params, b.grads, b.activations, b.temporaries, b.comm, b.optimizer, b.total) == (
+        7, 24, 96, 128, 768, 1024, 2047)
+
+
+# -- slow: full-size models, every layer --------------------------------------------------------------
+
+@pytest.mark.slow
+def test_llama3_70b_full_finetune_does_not_fit_one_node():
+    r = plan(_cfg("--model.preset=llama3_70b", *BIG), world_size=8, gpu_mem_gib=80, alternatives=False)
+    assert not r.fits
+    ms = r.base.model_state
+    # fp32 sharded params + fp32 sharded grads + 2 fp32 AdamW moments = 16 bytes/param, over 8 ranks
+    rule = 16 * 70.6e9 / 8
+    assert ms.params + ms.grads + ms.optimizer == pytest.approx(rule, rel=0.20)
+
+
+@pytest.mark.slow
+def test_llama3_70b_fits_on_four_nodes_with_full_ac():
+    r = plan(_cfg("--model.preset=llama3_70b", *BIG, ac="full"), world_size=32, gpu_mem_gib=80, alternatives=False)
+    assert r.fits, r.format()
+    assert r.base.peak.total < 0.9 * 80 * GIB
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _lora_available(), reason="shardlm.lora.apply_lora not available")
+def test_llama3_70b_lora_fits_on_one_node():
+    r = plan(_cfg("--model.preset=llama3_70b", *BIG, "--lora.rank=16", ac="full"), world_size=8, gpu_mem_gib=80,
+             alternatives=False)
+    assert r.fits, r.format()
+    assert r.trainable_params < 0.01 * r.n_params
+
+
+@pytest.mark.slow
+def test_llama3_405b_at_128_ranks_completes():
+    r = plan(_cfg("--model.preset=llama3_405b"), world_size=128, gpu_mem_gib=80, alternatives=False)
+    ms = r.base.model_state
+    assert ms.params + ms.grads + ms.optimizer == pytest.approx(16 * r.n_params / 128, rel=0.05)
+    assert r.base.peak.total > ms.total
