@@ -1,12 +1,13 @@
 """LoRA vs full fine-tuning of an HF model, and shardlm's sharded HF load vs `from_pretrained`.
 
-    torchrun --standalone --nproc_per_node 2 benchmarks/lora.py [--repeats R] [--steps N] [--save]
+    torchrun --standalone --nproc_per_node 2 benchmarks/lora.py [--repeats R] [--steps N] [--warmup W] [--save]
 
 One run, 2 gloo ranks on CPU (one thread per rank). Rank 0 first writes, to a temp dir under /tmp, an HF
 Llama (transformers LlamaConfig: hidden 1024, --layers blocks (default 8), 8 heads, 4 KV heads,
-intermediate 2816, vocab 8192, untied head; random init, fp32) with `save_pretrained(max_shard_size="100MB")`,
-the tokenizer of `shardlm.demo_assets.make_tokenizer` (byte-level BPE, chat template) and an SFT .jsonl of
-`demo_assets.sft_pairs` (stdlib signature -> docstring line); the other rank waits at a barrier.
+intermediate 2816, vocab 8192, untied head; random init, fp32: 111M params, 424 MiB) with
+`save_pretrained(max_shard_size="100MB")`, the tokenizer of `shardlm.demo_assets.make_tokenizer` (byte-level
+BPE, vocab 512, chat template) and an SFT .jsonl of `demo_assets.sft_pairs` (stdlib signature -> docstring
+line); the other rank waits (broadcast).
 
 1. Training, LoRA vs full fine-tuning of that model: a `Trainer` (model.init_from=hf:<dir>, so every rank
    reads only its shards of the safetensors; data.format=sft, seq_len 128, micro batch 2, grad_accum 1, fp32,
@@ -14,26 +15,31 @@ the tokenizer of `shardlm.demo_assets.make_tokenizer` (byte-level BPE, chat temp
      LoRA  lora.rank=16, alpha=32, all 7 projections (q,k,v,o,gate,up,down): only the adapters train
            (embeddings, norms and head frozen), so AdamW holds moments for the adapters only;
      full  lora.rank=0: every parameter trains (grads + 2 AdamW moments for all of them).
-   Each variant is built fresh (and thrown away) R times, order alternating (L,F / F,L / ...): per build,
-   --warmup untimed steps (the first allocates the optimizer state), then N timed steps as one
-   `Trainer.train()` call started from a barrier, its time the slowest rank's; tokens/s = N x global batch
-   x seq_len / that time. RSS is sampled (every 5 ms, from a thread, /proc/self/statm) from just before
-   `Trainer(cfg)` to the end of the timed steps: "peak +" is the peak minus the RSS before the Trainer was
-   built (after gc.collect + malloc_trim), "peak" the absolute peak, "built +" the RSS right after the
-   Trainer was built (model loaded, data tokenised) minus the same baseline. Medians over the R builds.
+   After one unmeasured warm-up build (a LoRA Trainer, 1 step: one-time costs of the process), each
+   variant is built fresh (and thrown away) R times, order alternating (L,F / F,L / ...): per build, W
+   untimed steps (the first allocates the optimizer state), then N timed steps as one `Trainer.train()`
+   call started from a barrier, its time the slowest rank's; tokens/s = N x global batch x seq_len / that
+   time. RSS is sampled (every 5 ms, from a thread, /proc/self/statm) from just before `Trainer(cfg)` to
+   the end of the timed steps: "peak+" is the peak minus the RSS before the Trainer was built (after
+   gc.collect + malloc_trim), "peak" the absolute peak, "HWM+" the kernel's VmHWM (reset through
+   /proc/self/clear_refs at the start) minus the same baseline, "built+" the RSS right after the Trainer
+   was built (model loaded, data tokenised) minus the baseline. Medians over the R builds.
 2. HF load, same process, both ranks at once, R times alternating, medians:
      shardlm  `shardlm.trainer.build_model` (what the Trainer runs: Transformer on meta -> fully_shard each
               block + root -> to_empty -> init_weights -> `hf_io.load_hf_weights`: every rank reads only its
               own rows of each tensor from the memory-mapped safetensors),
      HF       `transformers.AutoModelForCausalLM.from_pretrained(dir, dtype=float32)` of the same files,
               on EVERY rank (each rank builds the whole model, as a non-sharded loader does).
-   Time: the slowest rank's, from a barrier. RSS: peak minus the RSS just before (anon = resident minus
-   file-backed/shared pages, i.e. not counting page-cache pages of the mmapped files), and what is still
-   resident when the call returns (the loaded model). Compared with the model's full size and the rank's
-   shard (its local parameter bytes). The files were just written, so both read from the page cache.
-   Once (untimed) the two loaded models' logits are compared on the same tokens.
+   Time: the slowest rank's, from a barrier. Then every parameter is read once (untimed "touch"):
+   transformers 5 on CPU returns parameters that are lazy copy-on-write mmaps of the files, resident only
+   once read. RSS: peak minus the RSS just before (over load + touch); "anon" = resident minus
+   file-backed/shared pages (leaves out page-cache pages of the mmapped files); what is resident when
+   the load returns and after the touch. Compared with the model's full size and the rank's shard (its
+   local parameter bytes). The files were just written, so both read from the page cache.
+   Once (untimed) the two loaded models' logits are compared on the same tokens, and rank 0's first
+   build_model is split into init_weights and load_hf_weights time.
 
-The temp dir (model, data, run output, token caches) is deleted at exit.
+The temp dir (model, data, run output) is deleted at exit.
 """
 
 from __future__ import annotations
@@ -130,6 +136,24 @@ def settle() -> None:
         _LIBC.malloc_trim(0)
 
 
+def reset_hwm() -> bool:
+    """Reset the kernel's peak-RSS counter (VmHWM) of this process."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def hwm() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
 def statm() -> tuple[int, int]:
     """(resident, anonymous = resident - shared/file-backed) bytes of this process."""
     with open("/proc/self/statm") as f:
@@ -145,6 +169,7 @@ class PeakRSS:
 
     def __enter__(self):
         self.base, self.base_anon = statm()
+        self.hwm_ok = reset_hwm()
         self.peak, self.peak_anon = self.base, self.base_anon
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -169,6 +194,7 @@ class PeakRSS:
         self._stop.set()
         self._thread.join()
         self._update(*statm())
+        self.hwm_added = (hwm() - self.base) if self.hwm_ok else float("nan")
         return False
 
 
@@ -200,7 +226,7 @@ def local_bytes(tensors) -> tuple[int, int]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--repeats", type=int, default=2, help="builds of each variant, order alternating (default 2)")
-    ap.add_argument("--steps", type=int, default=10, help="timed training steps per build (default 10)")
+    ap.add_argument("--steps", type=int, default=6, help="timed training steps per build (default 6: ~10-15 s a step on 2 loaded cores)")
     ap.add_argument("--warmup", type=int, default=2, help="untimed training steps per build first (default 2)")
     ap.add_argument("--layers", type=int, default=8, help="transformer blocks of the HF model (default 8)")
     ap.add_argument("--save", action="store_true", help=f"also write the report to {RESULT.relative_to(ROOT)}")
@@ -264,7 +290,6 @@ def run(args, tmp: Path, rank: int, world: int, say, t_start: float) -> None:
     mc = build_model_config(full_cfg, tok.vocab_size)
     mesh = ParallelDims(1, -1, world).build_mesh("cpu")
     device = torch.device("cpu")
-    shard_b = full_b = 0
 
     def load_shardlm():
         return build_model(mc, mesh, full_cfg, device)
@@ -272,18 +297,51 @@ def run(args, tmp: Path, rank: int, world: int, say, t_start: float) -> None:
     def load_hf():
         return transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
 
-    # Untimed: the two loads agree (same logits on the same tokens).
-    ours, theirs = load_shardlm(), load_hf()
+    @torch.no_grad()
+    def touch(model) -> None:
+        """Read every parameter once (from_pretrained's are lazy views of the mmapped files)."""
+        for p in model.parameters():
+            (p.to_local() if isinstance(p, DTensor) else p).sum()
+
+    # Untimed: the two loads agree (same logits on the same tokens); where build_model's time goes.
+    import shardlm.hf_io as hf_io
+    from shardlm.models import Transformer
+
+    parts = {"init_weights": 0.0, "load_hf_weights": 0.0}
+
+    def timed_part(name, fn):
+        def wrapper(*a, **k):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                parts[name] += time.perf_counter() - t0
+        return wrapper
+
+    orig_init, orig_load = Transformer.init_weights, hf_io.load_hf_weights
+    Transformer.init_weights = timed_part("init_weights", orig_init)
+    hf_io.load_hf_weights = timed_part("load_hf_weights", orig_load)
+    try:
+        t0 = time.perf_counter()
+        ours = load_shardlm()
+        parts["build_model"] = time.perf_counter() - t0
+    finally:
+        Transformer.init_weights, hf_io.load_hf_weights = orig_init, orig_load
+    parts = dict(zip(parts, gather([parts[k] for k in parts])[0]))  # rank 0's
+    theirs = load_hf()
     shard_b, full_b = local_bytes(list(ours.parameters()))
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, tok.vocab_size, (2, 32), generator=g)
     with torch.no_grad():
-        diff = (ours(ids) - theirs(ids).logits).abs().max().item()
-        scale = theirs(ids).logits.abs().max().item()
+        ref = theirs(ids).logits
+        diff = (ours(ids) - ref).abs().max().item()
+        scale = ref.abs().max().item()
     diff = max_over_ranks(diff)
-    del ours, theirs
+    del ours, theirs, ref
     shards = [int(x[0]) for x in gather([float(shard_b)])]
-    say(f"  logits check: shardlm-loaded vs from_pretrained max |diff| {diff:.2e} (max |logit| {scale:.2f})")
+    say(f"  logits check: shardlm-loaded vs from_pretrained max |diff| {diff:.2e} (max |logit| {scale:.2f}); "
+        f"rank-0 build_model {parts['build_model']:.2f} s of which init_weights {parts['init_weights']:.2f} s, "
+        f"load_hf_weights {parts['load_hf_weights']:.2f} s")
 
     load_res: dict[str, list] = {"shardlm": [], "hf": []}
     for r in range(args.repeats):
@@ -294,15 +352,19 @@ def run(args, tmp: Path, rank: int, world: int, say, t_start: float) -> None:
                 t0 = time.perf_counter()
                 model = load_shardlm() if which == "shardlm" else load_hf()
                 wall = time.perf_counter() - t0
+                loaded = statm()
+                t0 = time.perf_counter()
+                touch(model)
+                touch_s = time.perf_counter() - t0
                 kept, kept_anon = statm()
-            wall = max_over_ranks(wall)
+            wall, touch_s = max_over_ranks(wall), max_over_ranks(touch_s)
             mem = gather([m.peak - m.base, m.peak_anon - m.base_anon, kept - m.base, kept_anon - m.base_anon,
-                          float(m.peak)])
+                          loaded[0] - m.base])
             del model
             settle()
-            load_res[which].append((wall, mem))
-            say(f"  [{r + 1}/{args.repeats}] load {which:>7}: {wall:6.2f} s, RSS + per rank "
-                + ", ".join(f"{x[0] / MiB:.0f}" for x in mem) + " MiB (anon + "
+            load_res[which].append((wall, mem, touch_s))
+            say(f"  [{r + 1}/{args.repeats}] load {which:>7}: {wall:6.2f} s (+ {touch_s:.2f} s reading every "
+                "parameter), RSS + per rank " + ", ".join(f"{x[0] / MiB:.0f}" for x in mem) + " MiB (anon + "
                 + ", ".join(f"{x[1] / MiB:.0f}" for x in mem) + ")")
     del mesh
 
@@ -313,6 +375,35 @@ def run(args, tmp: Path, rank: int, world: int, say, t_start: float) -> None:
         trainer.cfg = dataclasses.replace(trainer.cfg, train=dataclasses.replace(trainer.cfg.train, steps=s + n))
         trainer.metrics = MetricsLogger(trainer.output_dir, s + n, rank0, False, False, start_step=s)
         trainer.train()
+
+    def describe(trainer: Trainer) -> dict:
+        """Sizes of the trainer's state (a function: no reference to a parameter outlives it)."""
+        params = list(trainer.model.parameters())
+        p_loc, _ = local_bytes(params)
+        t_loc, _ = local_bytes(trainer.params)
+        opt_loc, _ = local_bytes([v for st in trainer.optimizer.state.values() for v in st.values()
+                                  if isinstance(v, torch.Tensor) and v.ndim > 0])
+        return {"n_params": sum(p.numel() for p in params), "n_train": sum(p.numel() for p in trainer.params),
+                "per_rank": gather([float(p_loc), float(t_loc), float(opt_loc)]),
+                "tokens_per_step": trainer.loader.global_batch * trainer.cfg.data.seq_len,
+                "data": dict(trainer.data_meta)}
+
+    def teardown(trainer: Trainer) -> None:
+        trainer.preemption.uninstall()
+        trainer.checkpointer.close()
+
+    # Untimed, unmeasured: one throwaway build + 1 step, so that one-time costs of the process (library
+    # code paged in on first use, allocator arenas, ...) are not charged to whichever variant runs first.
+    settle()
+    dist.barrier()
+    t0 = time.perf_counter()
+    with contextlib.redirect_stdout(log):
+        trainer = Trainer(cfgs["lora"])
+        train_call(trainer, 1)
+        teardown(trainer)
+    del trainer
+    settle()
+    say(f"  warm-up build + 1 LoRA step (not measured): {time.perf_counter() - t0:.1f} s")
 
     train_res: dict[str, list] = {"lora": [], "full": []}
     info: dict[str, dict] = {}
@@ -333,27 +424,19 @@ def run(args, tmp: Path, rank: int, world: int, say, t_start: float) -> None:
                 wall = time.perf_counter() - t0
             wall, build_s = max_over_ranks(wall), max_over_ranks(build_s)
             tokens = args.steps * trainer.loader.global_batch * cfg.data.seq_len
-            mem = gather([m.peak - m.base, float(m.peak), built - m.base, float(m.base)])
+            mem = gather([m.peak - m.base, float(m.peak), built - m.base, float(m.base), m.peak_anon - m.base_anon,
+                          m.hwm_added])
             if which not in info:
-                params = list(trainer.model.parameters())
-                p_loc, p_full = local_bytes(params)
-                t_loc, t_full = local_bytes(trainer.params)
-                opt_loc, _ = local_bytes([v for s in trainer.optimizer.state.values() for v in s.values()
-                                          if isinstance(v, torch.Tensor) and v.ndim > 0])
-                info[which] = {"n_params": sum(p.numel() for p in params),
-                               "n_train": sum(p.numel() for p in trainer.params),
-                               "per_rank": gather([float(p_loc), float(t_loc), float(opt_loc)]),
-                               "tokens_per_step": trainer.loader.global_batch * cfg.data.seq_len,
-                               "global_batch": trainer.loader.global_batch}
-            trainer.preemption.uninstall()
-            trainer.checkpointer.close()
+                info[which] = describe(trainer)
+            teardown(trainer)
             del trainer
             settle()
             after = gather([float(statm()[0])])
             train_res[which].append((tokens / wall, wall, build_s, mem))
             say(f"  [{r + 1}/{args.repeats}] train {which}: {tokens / wall:7.1f} tok/s ({wall / args.steps:.2f} s/step; "
                 f"build {build_s:.1f} s), peak RSS + per rank " + ", ".join(f"{x[0] / MiB:.0f}" for x in mem)
-                + " MiB; RSS after teardown - before build: " + ", ".join(
+                + " MiB (VmHWM + " + ", ".join(f"{x[5] / MiB:.0f}" for x in mem) + ", base "
+                + ", ".join(f"{x[3] / MiB:.0f}" for x in mem) + "); RSS after teardown - before build: " + ", ".join(
                     f"{(a[0] - x[3]) / MiB:+.0f}" for a, x in zip(after, mem)) + " MiB")
 
     log.close()
@@ -362,82 +445,103 @@ def run(args, tmp: Path, rank: int, world: int, say, t_start: float) -> None:
 
     # -- report ------------------------------------------------------------------------------------------
     med = statistics.median
-    mm = lambda vals: med(vals) / MiB  # noqa: E731
     ranks = range(world)
 
-    def tr(which: str, i: int, rk: int) -> float:
-        return mm([x[3][rk][i] for x in train_res[which]])
+    def tr(which: str, i: int, rk: int | None = None) -> float:
+        """Median over builds of measurement i of rank rk (None: the highest of the ranks), MiB."""
+        return med(max(x[3][k][i] for k in (ranks if rk is None else [rk])) for x in train_res[which]) / MiB
 
-    def ld(which: str, i: int, rk: int) -> float:
-        return mm([x[1][rk][i] for x in load_res[which]])
+    def ld(which: str, i: int, rk: int | None = None) -> float:
+        return med(max(x[1][k][i] for k in (ranks if rk is None else [rk])) for x in load_res[which]) / MiB
 
     tps = {w: med(x[0] for x in train_res[w]) for w in train_res}
     step_s = {w: med(x[1] for x in train_res[w]) / args.steps for w in train_res}
     build = {w: med(x[2] for x in train_res[w]) for w in train_res}
-    peak_add = {w: max(tr(w, 0, rk) for rk in ranks) for w in train_res}
     load_t = {w: med(x[0] for x in load_res[w]) for w in load_res}
+    touch_t = {w: med(x[2] for x in load_res[w]) for w in load_res}
     il, ifu = info["lora"], info["full"]
-    n_params = ifu["n_params"]
+    n_params, data = ifu["n_params"], ifu["data"]
+    state = {w: [[v / MiB for v in row] for row in info[w]["per_rank"]] for w in info}
+    W = 30
     lines = [
         f"shardlm LoRA benchmark: {world} ranks, gloo on cpu ({platform.processor() or platform.machine()}, "
         f"{os.cpu_count()} cores), {torch.get_num_threads()} thread/rank, torch {torch.__version__}, "
         f"transformers {transformers.__version__}",
-        f"model: HF Llama, hidden 1024, {args.layers} layers, 8 heads / 4 KV heads, intermediate 2816, vocab 8192, "
-        f"untied head: {n_params / 1e6:.2f}M params, fp32, {full_b / MiB:.0f} MiB "
+        f"model: HF Llama (LlamaForCausalLM, random init), hidden 1024, {args.layers} layers, 8 heads / 4 KV heads, "
+        f"intermediate 2816, vocab 8192, untied head: {n_params / 1e6:.2f}M params, fp32 = {full_b / MiB:.0f} MiB "
         f"({len(st_files)} safetensors files, {disk_bytes / MiB:.0f} MiB on disk); rank shards "
         f"{', '.join(f'{b / MiB:.0f}' for b in shards)} MiB",
-        f"training: Trainer, model.init_from=hf:<dir>, data.format=sft (demo_assets.sft_pairs, packed), seq_len 128 "
-        f"x micro_batch 2 x dp {world} = {ifu['tokens_per_step']} tokens/step, fp32, FSDP2, AdamW, no checkpoints; "
-        f"each build: {args.warmup} warmup + {args.steps} timed steps (one train() call, slowest rank); "
-        f"{args.repeats} builds per variant, order alternating; medians",
-        f"  LoRA: rank {LORA_RANK}, alpha {LORA_ALPHA}, targets {TARGETS}: {il['n_train'] / 1e6:.3f}M trainable "
-        f"({100 * il['n_train'] / il['n_params']:.2f}%); full: all {ifu['n_train'] / 1e6:.2f}M trainable",
-        "RSS: sampled every 5 ms from a thread (/proc/self/statm), MiB. Training: from just before Trainer(cfg) to "
-        "the end of the timed steps; peak+ = peak - RSS before the build, built+ = RSS after the build - the same.",
+        f"training: Trainer, model.init_from=hf:<dir>, data.format=sft ({data.get('samples')} samples of "
+        f"demo_assets.sft_pairs, packed into {data.get('sequences')} rows, {100 * data.get('fill', float('nan')):.0f}% "
+        f"non-padding), seq_len 128 x micro_batch 2 x dp {world} = {ifu['tokens_per_step']} tokens/step "
+        "(padding included), fp32, FSDP2, AdamW, no checkpoints",
+        f"  LoRA: rank {LORA_RANK}, alpha {LORA_ALPHA}, {TARGETS}: {il['n_train'] / 1e6:.3f}M trainable "
+        f"({100 * il['n_train'] / il['n_params']:.2f}%; embeddings, norms, head frozen); full: all "
+        f"{ifu['n_train'] / 1e6:.2f}M trainable",
+        f"  each variant built {args.repeats} times, fresh Trainer each time, order alternating (after one unmeasured "
+        f"warm-up build); per build {args.warmup} warmup steps, then {args.steps} timed steps as one train() call "
+        "from a barrier (slowest rank); medians over builds",
+        "RSS (MiB): sampled every 5 ms from a thread (/proc/self/statm). Training window: from just before "
+        "Trainer(cfg) to the end of the timed steps. peak+ = peak - RSS before Trainer(cfg) (after gc + "
+        "malloc_trim); peak = absolute; HWM+ = the kernel's peak (VmHWM, reset at the start) - the same baseline, "
+        "which no sampling can miss; anon+ = peak+ of anonymous memory only; built+ = RSS once Trainer(cfg) "
+        "returned (model loaded, data tokenised) - before. 'max' = the highest rank.",
         "",
         "1. LoRA vs full fine-tuning",
-        f"  {'':<26} {'tok/s':>8} {'s/step':>7} {'build s':>8} {'peak+ max':>10} "
-        + " ".join(f"{f'r{rk} peak+':>9}" for rk in ranks) + " "
-        + " ".join(f"{f'r{rk} peak':>8}" for rk in ranks) + " "
-        + " ".join(f"{f'r{rk} built+':>9}" for rk in ranks),
+        f"  {'':<{W}} {'tok/s':>7} {'s/step':>7} {'build s':>7} {'peak+ max':>9} "
+        + " ".join(f"{f'r{rk} peak+':>8}" for rk in ranks) + " "
+        + " ".join(f"{f'r{rk} peak':>8}" for rk in ranks) + f" {'HWM+ max':>8} {'anon+ max':>9} {'built+ max':>10}",
     ]
     for w, label in (("lora", f"LoRA r={LORA_RANK}, 7 projections"), ("full", "full fine-tuning")):
-        lines.append(f"  {label:<26} {tps[w]:>8.1f} {step_s[w]:>7.2f} {build[w]:>8.1f} {peak_add[w]:>10.0f} "
-                     + " ".join(f"{tr(w, 0, rk):>9.0f}" for rk in ranks) + " "
-                     + " ".join(f"{tr(w, 1, rk):>8.0f}" for rk in ranks) + " "
-                     + " ".join(f"{tr(w, 2, rk):>9.0f}" for rk in ranks))
+        lines.append(f"  {label:<{W}} {tps[w]:>7.1f} {step_s[w]:>7.2f} {build[w]:>7.1f} {tr(w, 0):>9.0f} "
+                     + " ".join(f"{tr(w, 0, rk):>8.0f}" for rk in ranks) + " "
+                     + " ".join(f"{tr(w, 1, rk):>8.0f}" for rk in ranks)
+                     + f" {tr(w, 5):>8.0f} {tr(w, 4):>9.0f} {tr(w, 2):>10.0f}")
     lines += [
-        "  per rank state (MiB), rank 0: " + "; ".join(
-            f"{w}: params {info[w]['per_rank'][0][0] / MiB:.0f} (trainable {info[w]['per_rank'][0][1] / MiB:.1f}), "
-            f"AdamW moments {info[w]['per_rank'][0][2] / MiB:.1f}" for w in ("lora", "full"))
-        + "; full FT also holds grads the size of the trainable shard during the step",
-        "  per build: " + "; ".join(f"{w} " + ", ".join(f"{x[0]:.1f} tok/s" for x in train_res[w])
-                                    for w in ("lora", "full")),
+        "  state held per rank after the steps (MiB; r0 / r1): " + "; ".join(
+            f"{w}: params " + " / ".join(f"{x[0]:.0f}" for x in state[w]) + ", of them trainable "
+            + " / ".join(f"{x[1]:.1f}" for x in state[w]) + ", AdamW moments "
+            + " / ".join(f"{x[2]:.1f}" for x in state[w]) for w in ("lora", "full"))
+        + " (+ during each step: grads of the trainable shard, all-gathered blocks, activations)",
+        "  per build, in run order: " + "; ".join(
+            f"{w} " + ", ".join(f"{x[0]:.1f} tok/s / +{max(m[0] for m in x[3]) / MiB:.0f} MiB" for x in train_res[w])
+            for w in ("lora", "full")),
         "",
-        f"2. HF load, {args.repeats} times each, alternating, both ranks at once (from_pretrained: every rank loads "
-        "the whole model); time = slowest rank",
-        f"  {'':<36} {'time s':>7} "
-        + " ".join(f"{f'r{rk} peak+':>9} {f'r{rk} anon+':>9} {f'r{rk} kept+':>9}" for rk in ranks),
+        f"2. HF load into one process per rank, both ranks at once, {args.repeats} times each alternating; medians; "
+        "time = slowest rank",
+        "  shardlm = shardlm.trainer.build_model (meta -> fully_shard -> to_empty -> init_weights -> load_hf_weights: "
+        "each rank reads only its rows); HF = AutoModelForCausalLM.from_pretrained(dir, dtype=float32) on EVERY "
+        "rank (whole model each)",
+        "  then every parameter is read once ('touch', untimed in 'load s'): from_pretrained's parameters are lazy "
+        "copy-on-write mmaps of the safetensors (pages resident only once read, file-backed, not anon)",
+        f"  {'':<{W}} {'load s':>7} {'touch s':>7} {'peak+ max':>9} "
+        + " ".join(f"{f'r{rk} peak+':>8}" for rk in ranks) + f" {'anon+ max':>9} {'at return':>9} "
+        f"{'touched':>8} {'anon kept':>9}",
     ]
-    for w, label in (("shardlm", "shardlm build_model (sharded load)"),
-                     ("hf", "AutoModelForCausalLM.from_pretrained")):
-        lines.append(f"  {label:<36} {load_t[w]:>7.2f} "
-                     + " ".join(f"{ld(w, 0, rk):>9.0f} {ld(w, 1, rk):>9.0f} {ld(w, 2, rk):>9.0f}" for rk in ranks))
+    for w, label in (("shardlm", "shardlm build_model (sharded)"), ("hf", "from_pretrained (full, lazy)")):
+        lines.append(f"  {label:<{W}} {load_t[w]:>7.2f} {touch_t[w]:>7.2f} {ld(w, 0):>9.0f} "
+                     + " ".join(f"{ld(w, 0, rk):>8.0f}" for rk in ranks)
+                     + f" {ld(w, 1):>9.0f} {ld(w, 4):>9.0f} {ld(w, 2):>8.0f} {ld(w, 3):>9.0f}")
     lines += [
         f"  reference: full model {full_b / MiB:.0f} MiB; rank shards "
         + ", ".join(f"r{rk} {shards[rk] / MiB:.0f}" for rk in ranks) + " MiB",
-        "  peak+ = peak RSS - RSS before the call; anon+ = the same without file-backed pages (the mmapped "
-        "safetensors); kept+ = RSS when the call returns - before",
-        f"  logits, shardlm-loaded vs from_pretrained on 2x32 random tokens: max |diff| {diff:.2e} "
-        f"(max |logit| {scale:.2f})",
+        "  peak+ = peak RSS - RSS before the call (load + touch); anon+ = the same for anonymous memory only "
+        "(leaves out page-cache pages of mmapped files); at return = RSS + when the load returned; touched = "
+        "RSS + after the touch; anon kept = anonymous memory + after the touch (what the rank owns); max = highest rank",
+        f"  rank-0 build_model breakdown (first call, untimed): {parts['build_model']:.2f} s, of which "
+        f"init_weights {parts['init_weights']:.2f} s (random init of every parameter, then overwritten), "
+        f"load_hf_weights {parts['load_hf_weights']:.2f} s",
+        f"  check: logits of the shardlm-loaded (sharded) model vs the from_pretrained one on 2x32 random tokens: "
+        f"max |diff| {diff:.2e} (max |logit| {scale:.2f})",
         "",
-        f"LoRA vs full FT: {tps['lora']:.1f} vs {tps['full']:.1f} tokens/s ({tps['lora'] / tps['full']:.2f}x), "
-        f"peak RSS added (max over ranks) {peak_add['lora']:.0f} vs {peak_add['full']:.0f} MiB "
-        f"({peak_add['full'] - peak_add['lora']:.0f} MiB less, {peak_add['lora'] / peak_add['full']:.2f}x)",
-        f"HF load: shardlm sharded {load_t['shardlm']:.2f} s, peak RSS added (max over ranks) "
-        f"{max(ld('shardlm', 0, rk) for rk in ranks):.0f} MiB; from_pretrained {load_t['hf']:.2f} s, "
-        f"{max(ld('hf', 0, rk) for rk in ranks):.0f} MiB (full model {full_b / MiB:.0f} MiB, "
-        f"rank shard {max(shards) / MiB:.0f} MiB)",
+        f"LoRA vs full FT: {tps['lora']:.1f} vs {tps['full']:.1f} tokens/s ({tps['lora'] / tps['full']:.2f}x); "
+        f"peak RSS added (highest rank) {tr('lora', 0):.0f} vs {tr('full', 0):.0f} MiB "
+        f"({tr('full', 0) - tr('lora', 0):.0f} MiB less, {tr('lora', 0) / tr('full', 0):.2f}x), absolute peak "
+        f"{max(tr('lora', 1, rk) for rk in ranks):.0f} vs {max(tr('full', 1, rk) for rk in ranks):.0f} MiB",
+        f"HF load: shardlm sharded {load_t['shardlm']:.2f} s, peak RSS added {ld('shardlm', 0):.0f} MiB (anon "
+        f"{ld('shardlm', 1):.0f}, keeps {ld('shardlm', 3):.0f}) per rank; from_pretrained {load_t['hf']:.2f} s (lazy), "
+        f"{ld('hf', 0):.0f} MiB once read (anon {ld('hf', 1):.0f}, all file-backed) per rank; full model "
+        f"{full_b / MiB:.0f} MiB, rank shard {max(shards) / MiB:.0f} MiB",
         f"total benchmark time {time.perf_counter() - t_start:.0f} s",
     ]
     text = "\n".join(lines) + "\n"
