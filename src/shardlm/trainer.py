@@ -63,6 +63,10 @@ def build_model_config(cfg: Config, tokenizer_vocab: int) -> ModelConfig:
             base = get_preset(cfg.model.preset)
         except KeyError as e:
             raise ConfigError(f"model.preset: {e.args[0]}") from None
+    if ({"dim", "n_heads"} & overrides.keys()) and base.head_dim == base.dim // base.n_heads:
+        overrides["head_dim"] = None  # derived, not set by the preset: derive it again (Qwen3's stays)
+    if "n_heads" in overrides and "n_kv_heads" not in overrides and base.n_kv_heads == base.n_heads:
+        overrides["n_kv_heads"] = None  # plain MHA stays MHA
     try:
         mc = dataclasses.replace(base, **overrides, max_seq_len=cfg.data.seq_len)
     except ValueError as e:

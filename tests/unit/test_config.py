@@ -96,3 +96,10 @@ def test_describe_documents_every_key():
                 "parallel.dp_shard", "parallel.dp_replicate", "data.path", "data.seq_len", "data.tokenizer",
                 "metrics.log_every"):
         assert f"  {key} = " in text
+
+
+def test_shape_overrides_rederive_head_dim():
+    mc = build_model_config(load_config(None, ["--model.dim=768", "--model.n_heads=12"]), 257)
+    assert mc.head_dim == 64 and mc.n_kv_heads == 2
+    q3 = build_model_config(load_config(None, ["--model.preset=qwen3_0_6b", "--model.n_layers=2"]), 257)
+    assert q3.head_dim == 128  # explicit in the preset: kept
