@@ -38,6 +38,8 @@ CASES = {
                                                  high_freq_factor=4.0, original_max_position_embeddings=16,
                                                  rope_theta=500000.0))),
     "qwen2_tied": ("qwen2", dict(tie_word_embeddings=True, rope_parameters=dict(rope_type="default", rope_theta=1e6))),
+    # q/k RMSNorm and a head_dim that is not hidden / heads
+    "qwen3": ("qwen3", dict(head_dim=32, rope_parameters=dict(rope_type="default", rope_theta=1e6))),
 }
 TOKENS = torch.randint(0, TINY["vocab_size"], (2, 24), generator=torch.Generator().manual_seed(1))
 SHARD = "50KB"
@@ -269,7 +271,7 @@ def world(tmp_path_factory):
     return {"tmp": tmp, "refs": refs, "cases": cases, "results": results}
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen2_tied", "qwen2_tied_head"])
+@pytest.mark.parametrize("name", ["llama", "qwen2_tied", "qwen2_tied_head", "qwen3"])
 def test_sharded_load_matches_hf(world, name):
     hf_dir = Path(world["cases"][name]["hf_dir"])
     assert len(list(hf_dir.glob("*.safetensors"))) >= 5  # really sharded across files
@@ -316,6 +318,11 @@ def test_export_round_trip(world, tmp_path):
     assert back.config.tie_word_embeddings and (tmp_path / "qwen" / "tokenizer.json").is_file()
     assert not (tmp_path / "qwen" / "special_tokens_map.json").exists()
     assert (_logits(back) - world["refs"]["qwen2_tied"]["logits"]).abs().max().item() <= 1e-5
+    # qwen3 (q/k norms, explicit head_dim)
+    info, back = _export_and_reload(world, "qwen3", tmp_path / "qwen3", model_cfg=world["results"]["qwen3"]["cfg"],
+                                    dtype="fp32")
+    assert back.config.head_dim == 32
+    assert (_logits(back) - world["refs"]["qwen3"]["logits"]).abs().max().item() <= 1e-5
     # bf16 export: the weights are the originals rounded to bf16.
     from shardlm.hf_io import export_hf
 
