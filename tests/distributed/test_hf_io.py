@@ -494,3 +494,33 @@ def test_lora_merge_and_peft_adapter(world, tmp_path):
     base = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, attn_implementation="eager")
     with_adapter = peft.PeftModel.from_pretrained(base, str(adapter)).eval()
     assert (_logits(with_adapter) - want).abs().max().item() <= 1e-5
+
+
+def test_export_holds_one_shard_and_one_read_at_a_time(world, tmp_path, monkeypatch):
+    """Export memory is bounded by construction: every checkpoint read is one batch (here: one
+    tensor) and every output file one shard; neither is ever the whole model."""
+    import safetensors.torch
+
+    from shardlm import hf_io
+
+    reads, shards = [], []
+    real_read, real_save = hf_io._read_tensors, safetensors.torch.save_file
+
+    def read(reader, metas, names):
+        out = real_read(reader, metas, names)
+        reads.append(sum(t.numel() * t.element_size() for t in out.values()))
+        return out
+
+    def save(tensors, *a, **k):
+        shards.append(sum(t.numel() * t.element_size() for t in tensors.values()))
+        return real_save(tensors, *a, **k)
+
+    monkeypatch.setattr(hf_io, "_read_tensors", read)
+    monkeypatch.setattr(safetensors.torch, "save_file", save)
+    monkeypatch.setattr(hf_io, "_READ_BATCH_BYTES", 1)  # one tensor per read
+    hf_io.export_hf(world["cases"]["llama"]["ckpt"], tmp_path / "out", dtype="fp32", max_shard_bytes=60_000)
+    total = sum(v.numel() * v.element_size() for v in world["refs"]["llama"]["sd"].values())
+    largest = max(v.numel() * v.element_size() for v in world["refs"]["llama"]["sd"].values())
+    assert len(shards) > 2 and sum(shards) == total
+    assert max(reads) == largest and max(reads) < total / 4
+    assert all(s <= max(60_000, largest) for s in shards)
