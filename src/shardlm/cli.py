@@ -13,7 +13,7 @@ commands:
   train  --help                                     every config key, its default and what it does
   convert dcp-to-hf CHECKPOINT OUT [--merge-lora] [--adapter-only] [--dtype bf16|fp32] [--tokenizer DIR]
   convert hf-to-dcp HF_DIR OUT [--dtype fp32|bf16]
-  plan   --config FILE --nodes N --gpus-per-node G --gpu-mem-gib M [--json] [--section.key=value ...]
+  plan   --config FILE --nodes N --gpus-per-node G --gpu-mem-gib M [--json] [--headroom 0.1] [--no-alternatives] [--section.key=value ...]
                                                     per-rank memory before launch: does it fit, and if not, what would
   make-debug-hf OUT                                 a tiny HF-format model + SFT data (for debug_lora.toml)
   presets                                           list the model presets

@@ -497,7 +497,7 @@ def plan(cfg: Config, world_size: int, gpu_mem_gib: float, gpus_per_node: int = 
         notes.append("train.compile is not modelled: eager memory (compiled blocks usually keep fewer temporaries)")
     if cfg.train.grad_accum > 1:
         notes.append("grad_accum > 1: the trainer turns gradient sync off on all but the last micro-batch, so "
-                     "each rank accumulates unsharded gradients of the whole model (counted here)")
+                     "each rank accumulates unsharded gradients of every trainable parameter (counted here)")
     if not base.fits and alternatives:
         report.alternatives = _alternatives(cfg, world_size, gpus_per_node, usable, base, lora_ok, notes)
     report.seconds = time.perf_counter() - t0

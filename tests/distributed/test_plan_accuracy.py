@@ -126,16 +126,18 @@ def _real_worker(cases: dict) -> dict:
 
 @pytest.fixture(scope="module")
 def real():
-    return run_ranks(2, _real_worker, CASES)
+    return {world: run_ranks(world, _real_worker, CASES) for world in (2, 4)}
 
 
+@pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("case", list(CASES))
-def test_planner_within_15_percent_of_real(real, case):
+def test_planner_within_15_percent_of_real(real, case, world):
     from shardlm.plan import plan
 
     overrides, ac = CASES[case]
-    report = plan(_config(overrides, ac), world_size=2, gpu_mem_gib=80, gpus_per_node=2, alternatives=False)
-    planned, measured = report.base.peak.total, real[case]["peak"]
+    report = plan(_config(overrides, ac), world_size=world, gpu_mem_gib=80, gpus_per_node=world,
+                  alternatives=False)
+    planned, measured = report.base.peak.total, real[world][case]["peak"]
     rel = abs(planned - measured) / measured
     assert rel <= TOL, (f"{case}: planned {planned} B vs real {measured} B ({rel:.1%})\n"
-                        f"planned split {report.base.peak.raw}\nreal split {real[case]['split']}")
+                        f"planned split {report.base.peak.raw}\nreal split {real[world][case]['split']}")
