@@ -93,20 +93,13 @@ def open_token_file(path: Path) -> tuple[np.ndarray, dict]:
     return np.memmap(path, dtype=meta["dtype"], mode="r"), meta
 
 
-class PackedLoader:
-    """Yields this rank's micro-batches for each optimizer step; `state_dict()` makes it resumable."""
+class GlobalSampleOrder:
+    """The sample order shared by every loader: step s takes global samples [s*G, (s+1)*G) of a seeded
+    per-epoch permutation; micro-batch k of dp rank r holds samples k*mbs*dp + r*mbs ... +mbs.
+    Subclasses set mbs, accum, dp_rank, dp_size, seed, shuffle, n_windows and `_batch(first_sample)`."""
 
-    def __init__(self, tokens: np.ndarray, seq_len: int, micro_batch_size: int, grad_accum: int,
-                 dp_rank: int, dp_size: int, seed: int = 0, shuffle: bool = True):
-        self.tokens, self.seq_len = tokens, seq_len
-        self.n_windows = (len(tokens) - 1) // seq_len if len(tokens) > 0 else 0
-        if self.n_windows < 1:
-            raise ConfigError(f"the corpus has {len(tokens)} tokens, fewer than data.seq_len + 1 = {seq_len + 1}; "
-                              "add text or lower data.seq_len")
-        self.mbs, self.accum, self.dp_rank, self.dp_size = micro_batch_size, grad_accum, dp_rank, dp_size
-        self.seed, self.shuffle = seed, shuffle
-        self.samples_seen = 0
-        self._perm_epoch, self._perm = -1, None
+    samples_seen = 0
+    _perm_epoch, _perm = -1, None
 
     @property
     def global_batch(self) -> int:
@@ -121,12 +114,6 @@ class PackedLoader:
             self._perm_epoch = epoch
         return int(self._perm[pos])
 
-    def _batch(self, first_sample: int) -> tuple[torch.Tensor, torch.Tensor]:
-        L = self.seq_len
-        rows = [self.tokens[w * L : w * L + L + 1] for w in map(self._window, range(first_sample, first_sample + self.mbs))]
-        x = torch.from_numpy(np.stack(rows).astype(np.int64))
-        return x[:, :-1], x[:, 1:]
-
     def next_step(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """`grad_accum` (inputs, labels) pairs of shape (micro_batch_size, seq_len) for this rank."""
         base = self.samples_seen
@@ -139,6 +126,28 @@ class PackedLoader:
 
     def load_state_dict(self, state: dict) -> None:
         self.samples_seen = int(state["samples_seen"])
+
+
+class PackedLoader(GlobalSampleOrder):
+    """Yields this rank's micro-batches for each optimizer step; `state_dict()` makes it resumable."""
+
+    def __init__(self, tokens: np.ndarray, seq_len: int, micro_batch_size: int, grad_accum: int,
+                 dp_rank: int, dp_size: int, seed: int = 0, shuffle: bool = True):
+        self.tokens, self.seq_len = tokens, seq_len
+        self.n_windows = (len(tokens) - 1) // seq_len if len(tokens) > 0 else 0
+        if self.n_windows < 1:
+            raise ConfigError(f"the corpus has {len(tokens)} tokens, fewer than data.seq_len + 1 = {seq_len + 1}; "
+                              "add text or lower data.seq_len")
+        self.mbs, self.accum, self.dp_rank, self.dp_size = micro_batch_size, grad_accum, dp_rank, dp_size
+        self.seed, self.shuffle = seed, shuffle
+        self.samples_seen = 0
+        self._perm_epoch, self._perm = -1, None
+
+    def _batch(self, first_sample: int) -> tuple[torch.Tensor, torch.Tensor]:
+        L = self.seq_len
+        rows = [self.tokens[w * L : w * L + L + 1] for w in map(self._window, range(first_sample, first_sample + self.mbs))]
+        x = torch.from_numpy(np.stack(rows).astype(np.int64))
+        return x[:, :-1], x[:, 1:]
 
 
 def build_loader(files: list[Path], tokenizer: Tokenizer, text_field: str, cache_dir: Path, *, seq_len: int,

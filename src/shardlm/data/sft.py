@@ -63,7 +63,7 @@ import numpy as np
 import torch
 
 from shardlm.config import ConfigError
-from shardlm.data.loader import IGNORE_INDEX
+from shardlm.data.loader import IGNORE_INDEX, GlobalSampleOrder
 from shardlm.data.tokenizer import _EOS_CANDIDATES, ByteTokenizer
 
 ROLES = ("system", "user", "assistant")
@@ -356,7 +356,7 @@ def pack_best_fit(lengths: Sequence[int], capacity: int) -> list[list[int]]:
     return rows
 
 
-class SFTLoader:
+class SFTLoader(GlobalSampleOrder):
     """PackedLoader's interface over SFT samples: rows of (inputs, labels) with answer-only labels.
 
     `samples` are (token ids, answer mask) pairs of equal length; they are truncated, filtered and
@@ -403,19 +403,6 @@ class SFTLoader:
         self.samples_seen = 0
         self._perm_epoch, self._perm = -1, None
 
-    @property
-    def global_batch(self) -> int:
-        return self.mbs * self.accum * self.dp_size
-
-    def _window(self, sample: int) -> int:
-        epoch, pos = divmod(sample, self.n_windows)
-        if not self.shuffle:
-            return pos
-        if epoch != self._perm_epoch:
-            self._perm = np.random.default_rng([self.seed, epoch]).permutation(self.n_windows)
-            self._perm_epoch = epoch
-        return int(self._perm[pos])
-
     def row(self, w: int) -> tuple[np.ndarray, np.ndarray]:
         """Row w as (inputs, labels), each seq_len long; the tail is padding."""
         x = np.full(self.seq_len, self.pad_id, dtype=np.int64)
@@ -435,19 +422,6 @@ class SFTLoader:
     def _batch(self, first_sample: int) -> tuple[torch.Tensor, torch.Tensor]:
         rows = [self.row(self._window(s)) for s in range(first_sample, first_sample + self.mbs)]
         return torch.from_numpy(np.stack([r[0] for r in rows])), torch.from_numpy(np.stack([r[1] for r in rows]))
-
-    def next_step(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """`grad_accum` (inputs, labels) pairs of shape (micro_batch_size, seq_len) for this rank."""
-        base = self.samples_seen
-        out = [self._batch(base + k * self.mbs * self.dp_size + self.dp_rank * self.mbs) for k in range(self.accum)]
-        self.samples_seen += self.global_batch
-        return out
-
-    def state_dict(self) -> dict:
-        return {"samples_seen": self.samples_seen}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.samples_seen = int(state["samples_seen"])
 
 
 def load_template(tokenizer, tokenizer_dir: str | Path | None) -> ChatTemplate | PlainTemplate:
