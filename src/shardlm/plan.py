@@ -51,9 +51,12 @@ the caching allocator's 512-byte rounding, fragmentation and cross-stream reuse 
 scratch memory. `headroom` (default
 10% of the GPU) is kept free for those.
 
-Speed: a fake step costs ~0.2-0.4 s of CPU per transformer block (every layer is run), so
-llama3_70b takes ~25 s and llama3_405b ~40 s per scenario on a small CPU; alternatives that cannot
-fit (model state alone over the limit) are not run.
+Speed: a fake step costs ~0.1-0.4 s of CPU per transformer block. Models with more than ~12
+layers (~16 with train.ac=selective) are planned from two fake steps of 10 and 11 layers (see
+"fewer layers, same answer" below): equal to the byte to running every layer in the tests, and
+checked on every plan. llama3_70b then takes ~6 s and llama3_405b ~10 s per scenario on a small
+CPU (every layer: ~15-25 s and ~40 s); `--exact` runs every layer. Alternatives that cannot fit
+(model state alone over the limit) are not run.
 """
 
 from __future__ import annotations
@@ -310,6 +313,8 @@ def _tracker_class():
         """
 
         offload_peak = 0
+        phase = "step"  # set by `training_step`: "mb0", "mb1", "clip", "optim"
+        phases: dict | None = None  # when a dict: per-phase peaks, for `_extrapolate` (see there)
 
         def _update_peak_stats(self, peak_state):
             curr = getattr(self, "_curr_mem_snap", None)
@@ -323,6 +328,26 @@ def _tracker_class():
                 off = total - sum(dev_snap.get(k, 0) for k in self._offloaded_keys)
                 if off > self.offload_peak:
                     self.offload_peak = off
+            if self.phases is not None:
+                self._record_phase(curr)
+
+        def _record_phase(self, curr):
+            flat: dict[str, int] = {}
+            for dev_snap in curr.values():
+                for k, v in dev_snap.items():
+                    name = str(getattr(k, "value", k))
+                    flat[name] = flat.get(name, 0) + v
+            flat["offload"] = flat["Total"] - sum(flat.get(n, 0) for n in _OFFLOADED)
+            key = _phase_key(self.phase, self._mod_tracker.parents, self._mod_tracker.is_bw)
+            prev = self.phases.get(key)
+            if prev is None:
+                self.phases[key] = dict(flat)
+            else:  # keep the snapshot at the phase's peak, and the phase's own offload peak
+                off = max(prev["offload"], flat["offload"])
+                if flat["Total"] > prev["Total"]:
+                    prev.clear()
+                    prev.update(flat)
+                prev["offload"] = off
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             # `tensor.device` on a fake tensor is itself an op (prim.device) and the autograd engine
@@ -388,6 +413,8 @@ def training_step(model, optimizer, pairs, batches, dp: int, grad_clip: float, t
     n_tokens = sum(y.numel() for _, y in batches) * dp
     scale = dp / n_tokens
     for k, (x, y) in enumerate(batches):
+        if tracker is not None:
+            tracker.phase = f"mb{k}"
         if len(batches) > 1:
             model.set_requires_gradient_sync(k == len(batches) - 1)
             if k and tracker is not None:
@@ -398,31 +425,65 @@ def training_step(model, optimizer, pairs, batches, dp: int, grad_clip: float, t
         (loss * scale).backward()
         del logits, loss
     _sync_grads(pairs)
+    if tracker is not None:
+        tracker.phase = "clip"
     clip_grad_norm_([lp for _, lp in pairs], grad_clip)
     state = tracker.get_tracker_snapshot("current") if tracker is not None else None
+    if tracker is not None:
+        tracker.phase = "optim"
     optimizer.step()
     _sync_grads(pairs, set_none=True)
     return state
 
 
-def _measure(cfg: Config, world_size: int, usable_bytes: int, name: str,
-             overrides: dict[str, Any] | None = None) -> tuple[Scenario, int, int]:
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.testing._internal.distributed.fake_pg import FakeStore
+@dataclass
+class _Step:
+    """What one fake step measured (flat snapshots: the tracker's category names -> bytes)."""
 
-    from shardlm.parallel.mesh import ParallelDims
+    n_layers: int
+    n_params: int
+    trainable: int
+    peak: dict[str, int]
+    model_state: dict[str, int]
+    offload: int
+    phases: dict | None
+
+
+def _flat(snap: dict) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for dev_snap in snap.values():
+        for k, v in dev_snap.items():
+            name = str(getattr(k, "value", k))
+            out[name] = out.get(name, 0) + v
+    return out
+
+
+def _breakdown(flat: dict[str, int]) -> Breakdown:
+    return Breakdown.from_snapshot({"cpu": {k: v for k, v in flat.items() if k != "offload"}})
+
+
+def _model_config(cfg: Config):
     from shardlm.trainer import build_model_config
 
-    t0 = time.perf_counter()
-    dims = ParallelDims(cfg.parallel.dp_replicate, cfg.parallel.dp_shard, world_size)
     try:
-        mc = build_model_config(cfg, 0)  # vocab 0: no tokenizer needed to plan
+        return build_model_config(cfg, 0)  # vocab 0: no tokenizer needed to plan
     except ConfigError as e:
         if not cfg.model.init_from:
             raise
         raise ConfigError(f"{e}. The planner needs only its config.json; without the folder, plan the same "
                           "shape from a preset, e.g. --model.init_from= --model.preset=llama3_70b "
                           "--lora.adapters_only=false") from None
+
+
+def _fake_step(cfg: Config, world_size: int, mc=None, phases: bool = False) -> _Step:
+    """One fake training step of `cfg` (see the module docstring), every layer of its model (or of `mc`)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from shardlm.parallel.mesh import ParallelDims
+
+    dims = ParallelDims(cfg.parallel.dp_replicate, cfg.parallel.dp_shard, world_size)
+    mc = mc if mc is not None else _model_config(cfg)
     t, d = cfg.train, cfg.data
     dev = torch.device("cpu")
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
@@ -439,22 +500,172 @@ def _measure(cfg: Config, world_size: int, usable_bytes: int, name: str,
                         torch.zeros(t.micro_batch_size, d.seq_len, dtype=torch.long, device=dev))
                        for _ in range(n_micro)]
             tracker = _tracker_class()(model, optimizer)
+            tracker.phases = {} if phases else None
             tracker.track_inputs(tuple(batches))
             with tracker:
                 state = training_step(model, optimizer, pairs, batches, dims.dp, t.grad_clip, tracker)
-            peak = Breakdown.from_snapshot(tracker.get_tracker_snapshot("peak"))
-            model_state = Breakdown.from_snapshot(state)
-            offload = tracker.offload_peak or (peak.total - sum(peak.raw.get(n, 0) for n in _OFFLOADED))
+            peak = _flat(tracker.get_tracker_snapshot("peak"))
+            offload = tracker.offload_peak or (peak["Total"] - sum(peak.get(n, 0) for n in _OFFLOADED))
+            out = _Step(n_layers=mc.n_layers, n_params=mc.num_params(), trainable=trainable, peak=peak,
+                        model_state=_flat(state), offload=int(offload), phases=tracker.phases)
             del model, optimizer, pairs, batches, tracker
     finally:
         dist.destroy_process_group()
+    return out
+
+
+# -- fewer layers, same answer ---------------------------------------------------------------------
+#
+# Every transformer block is the same module with the same shapes, so the memory of a step is, at
+# every moment, affine in the number of layers L: each block adds its sharded params, grads and
+# AdamW moments for the whole step, and, between its forward and its backward, its saved
+# activations. A step is a sequence of phases (forward of block k, backward of block k, the loss,
+# the clip, the optimizer step; per micro-batch). The planner records each phase's own peak (and
+# the composition at it). For the phases outside the blocks, and for the first and last EDGE
+# blocks (FSDP's prefetch and the unresharded last block make those differ), the peak is affine in
+# L; for a middle block k it is affine in (k, L), so over the middle blocks its maximum is at the
+# first or the last one. Two fake steps with L_a and L_a + p layers (p: the period of
+# train.ac=selective's every-n-th pattern, else 1) fix every line; the plan for L layers is the
+# maximum over the phases of their lines at L. Every point of both runs is checked against the
+# fit (to the byte in practice); if any is off, or the phases of the two runs differ, the planner
+# runs all L layers instead. tests/unit/test_plan.py compares this with all-layer runs.
+
+_EDGE = 2
+
+
+def _phase_key(phase: str, parents, is_bw: bool) -> tuple:
+    """(phase, forward/backward, the block indices running, the other modules running)."""
+    blocks, other = [], []
+    for fqn in parents:
+        parts = fqn.split(".")
+        if len(parts) >= 3 and parts[1] == "layers" and parts[2].isdigit():
+            blocks.append(int(parts[2]))
+        elif len(parts) == 2:
+            other.append(parts[1])
+    # The block running is the last one entered: the highest index in forward, the lowest in
+    # backward. Blocks whose backward has ended can linger in `parents` (with frozen LoRA bases the
+    # tracker drops none until the end of backward): not part of the key.
+    if blocks:
+        blocks = [min(blocks) if is_bw else max(blocks)]
+    return phase, bool(is_bw), tuple(blocks), tuple(sorted(other))
+
+
+def _period(cfg: Config) -> int:
+    return max(1, int(getattr(cfg.train, "ac_every", 2))) if _ac_mode(cfg) == "selective" else 1
+
+
+def _reduced_layers(n_layers: int, period: int) -> tuple[int, int] | None:
+    """The two layer counts to run instead of `n_layers`, or None when running all is as cheap."""
+    n0 = 2 * _EDGE + 4 + 2 * period  # >= 2 middle blocks of each residue, also for phases spanning 4 blocks
+    n_a = n0 + (n_layers - n0) % period  # same residue as n_layers: same edge pattern
+    n_b = n_a + period
+    return (n_a, n_b) if n_layers > n_b + period else None
+
+
+def _classify(blocks: tuple[int, ...], n: int, period: int):
+    """A phase's blocks -> (class, middle index or None).
+
+    Several blocks can be active at once (the module tracker drops a block when its backward hook
+    fires, which can be late). A phase touching an edge block is named by each block's index from
+    its nearer end; one touching only middle blocks by the last one's index `m` (its residue mod
+    the period, and the others' offsets from it)."""
+    if not blocks or any(k < _EDGE or k >= n - _EDGE for k in blocks):
+        return ("edge", tuple(k if k < n - k else k - n for k in blocks)), None
+    m = max(blocks)
+    return ("mid", m % period, tuple(k - m for k in blocks)), m
+
+
+class _NotAffine(Exception):
+    pass
+
+
+def _lerp(a: dict[str, int], b: dict[str, int], t: float) -> dict[str, float]:
+    keys = set(a) | set(b)
+    return {k: a.get(k, 0) + (b.get(k, 0) - a.get(k, 0)) * t for k in keys}
+
+
+def _close(pred: dict[str, float], actual: dict[str, int]) -> bool:
+    tol = max(4096.0, 1e-4 * actual.get("Total", 0))
+    return all(abs(pred.get(k, 0) - actual.get(k, 0)) <= tol for k in set(pred) | set(actual))
+
+
+def _extrapolate(a: _Step, b: _Step, n_layers: int, period: int) -> tuple[dict[str, int], int]:
+    """The peak snapshot (and the CPU-offload peak) of an `n_layers` step from two shorter ones."""
+    groups: dict[tuple, dict[int, list]] = {}
+    for run in (a, b):
+        for (phase, bw, blocks, other), flat in run.phases.items():
+            cls, m = _classify(blocks, run.n_layers, period)
+            groups.setdefault((phase, bw, cls, other), {}).setdefault(run.n_layers, []).append((m, flat))
+    t = (n_layers - a.n_layers) / (b.n_layers - a.n_layers)
+    preds: list[dict[str, float]] = []
+    for key, by_run in groups.items():
+        if set(by_run) != {a.n_layers, b.n_layers}:
+            raise _NotAffine(f"phase {key} is not in both runs")
+        pa, pb = by_run[a.n_layers], by_run[b.n_layers]
+        if key[2][0] == "edge":
+            preds.append(_lerp(pa[0][1], pb[0][1], t))
+            continue
+        pa, pb = sorted(pa, key=lambda x: x[0]), sorted(pb, key=lambda x: x[0])
+        (m1, f1), (m2, f2) = pa[0], pa[-1]
+        if m1 == m2:
+            raise _NotAffine(f"phase {key}: one middle block only")
+        fb = dict(pb)
+        if m1 not in fb:
+            raise _NotAffine(f"phase {key}: block {m1} missing in the longer run")
+
+        def at(m: int, n: int, f1=f1, f2=f2, m1=m1, m2=m2, g=fb[m1]) -> dict[str, float]:
+            along_k = _lerp(f1, f2, (m - m1) / (m2 - m1))  # same run, another middle block
+            shift = _lerp(f1, g, 1.0)  # the same block, p more layers
+            return {k: along_k.get(k, 0) + (shift.get(k, 0) - f1.get(k, 0)) * (n - a.n_layers) / period
+                    for k in set(along_k) | set(shift)}
+
+        for run, pts in ((a, pa), (b, pb)):  # every measured point must lie on the fit
+            for m, f in pts:
+                if not _close(at(m, run.n_layers), f):
+                    raise _NotAffine(f"phase {key}: block {m} of {run.n_layers} is off the fit")
+        r, span = key[2][1], -min(key[2][2])
+        lo = _EDGE + span + (r - _EDGE - span) % period
+        hi = (n_layers - _EDGE - 1) - (n_layers - _EDGE - 1 - r) % period
+        preds += [at(lo, n_layers), at(hi, n_layers)]
+    for run in (a, b):  # the phases cover the step: their maximum is the run's peak
+        if max(f["Total"] for f in run.phases.values()) != run.peak["Total"]:
+            raise _NotAffine("the phase peaks miss the step's peak")
+    best = max(preds, key=lambda f: f.get("Total", 0))
+    peak = {k: max(0, round(v)) for k, v in best.items() if k != "offload"}
+    offload = max(0, round(max(f.get("offload", 0) for f in preds)))
+    return peak, offload
+
+
+def _measure(cfg: Config, world_size: int, usable_bytes: int, name: str,
+             overrides: dict[str, Any] | None = None, exact: bool = False) -> tuple[Scenario, int, int]:
+    t0 = time.perf_counter()
+    mc = _model_config(cfg)
+    reduced = None if exact else _reduced_layers(mc.n_layers, _period(cfg))
+    note = ""
+    step = None
+    if reduced is not None:
+        a, b = (_fake_step(cfg, world_size, dataclasses.replace(mc, n_layers=n), phases=True) for n in reduced)
+        try:
+            peak, offload = _extrapolate(a, b, mc.n_layers, b.n_layers - a.n_layers)
+        except _NotAffine as e:
+            note = f"ran all {mc.n_layers} layers ({e})"
+        else:
+            t = (mc.n_layers - a.n_layers) / (b.n_layers - a.n_layers)
+            state = {k: round(v) for k, v in _lerp(a.model_state, b.model_state, t).items()}
+            step = _Step(n_layers=mc.n_layers, n_params=mc.num_params(),
+                         trainable=round(a.trainable + (b.trainable - a.trainable) * t), peak=peak,
+                         model_state=state, offload=offload, phases=None)
+    if step is None:
+        step = _fake_step(cfg, world_size, mc)
+    t = cfg.train
     cpu_offload = _cpu_offload(cfg)
-    scen = Scenario(name=name, world_size=world_size, micro_batch_size=t.micro_batch_size, seq_len=d.seq_len,
+    peak_bd = _breakdown(step.peak)
+    scen = Scenario(name=name, world_size=world_size, micro_batch_size=t.micro_batch_size, seq_len=cfg.data.seq_len,
                     grad_accum=t.grad_accum, ac=_ac_mode(cfg), lora_rank=cfg.lora.rank, cpu_offload=cpu_offload,
-                    peak=peak, model_state=model_state, offload_peak_bytes=int(offload),
-                    peak_bytes=int(offload) if cpu_offload else peak.total, usable_bytes=usable_bytes,
-                    seconds=time.perf_counter() - t0, overrides=dict(overrides or {}))
-    return scen, mc.num_params(), trainable
+                    peak=peak_bd, model_state=_breakdown(step.model_state), offload_peak_bytes=step.offload,
+                    peak_bytes=step.offload if cpu_offload else peak_bd.total, usable_bytes=usable_bytes,
+                    seconds=time.perf_counter() - t0, overrides=dict(overrides or {}), note=note)
+    return scen, step.n_params, step.trainable
 
 
 def _variant(cfg: Config, overrides: dict[str, Any]) -> Config:
@@ -465,14 +676,15 @@ def _variant(cfg: Config, overrides: dict[str, Any]) -> Config:
 
 
 def plan(cfg: Config, world_size: int, gpu_mem_gib: float, gpus_per_node: int = 8,
-         headroom: float = DEFAULT_HEADROOM, alternatives: bool = True) -> PlanReport:
+         headroom: float = DEFAULT_HEADROOM, alternatives: bool = True, exact: bool = False) -> PlanReport:
     """Per-rank peak memory of one training step of `cfg` on `world_size` ranks of `gpu_mem_gib` GiB.
 
     Runs in this process on fake tensors and a fake process group (see the module docstring), so
     it must not be called where a process group already exists. When the config does not fit and
     `alternatives` is true, each knob is tried in its own fake run: train.ac=full, CPU offload,
     2x and 4x the ranks, LoRA rank 16, smaller micro-batches; if none fits alone, the same
-    combined with train.ac=full.
+    combined with train.ac=full. Models with many layers are planned from two shorter fake steps
+    (see `_extrapolate`); `exact=True` runs every layer instead.
     """
     if dist.is_available() and dist.is_initialized():
         raise PlanError("plan() runs its own fake process group and must be called where no process group "
@@ -486,10 +698,12 @@ def plan(cfg: Config, world_size: int, gpu_mem_gib: float, gpus_per_node: int = 
     lora_ok = _lora_module() is not None
     if cfg.lora.rank > 0 and not lora_ok:
         raise PlanError("lora.rank > 0 but shardlm.lora.apply_lora is not available")
-    base, n_params, trainable = _measure(cfg, world_size, usable, "as configured")
+    base, n_params, trainable = _measure(cfg, world_size, usable, "as configured", exact=exact)
     report = PlanReport(model=cfg.model.preset if not cfg.model.init_from else cfg.model.init_from,
                         n_params=n_params, trainable_params=trainable, world_size=world_size,
                         gpus_per_node=gpus_per_node, gpu_mem_gib=gpu_mem_gib, headroom=headroom, base=base, notes=notes)
+    if base.note:
+        notes.append(base.note)
     if cfg.train.mixed_precision == "fp8":
         notes.append("train.mixed_precision=fp8 is planned as bf16 (torchao float8 linears not applied): an upper "
                      "bound; float8 all-gather and float8 saved activations need less")
@@ -499,13 +713,13 @@ def plan(cfg: Config, world_size: int, gpu_mem_gib: float, gpus_per_node: int = 
         notes.append("grad_accum > 1: the trainer turns gradient sync off on all but the last micro-batch, so "
                      "each rank accumulates unsharded gradients of every trainable parameter (counted here)")
     if not base.fits and alternatives:
-        report.alternatives = _alternatives(cfg, world_size, gpus_per_node, usable, base, lora_ok, notes)
+        report.alternatives = _alternatives(cfg, world_size, gpus_per_node, usable, base, lora_ok, notes, exact)
     report.seconds = time.perf_counter() - t0
     return report
 
 
 def _alternatives(cfg: Config, world_size: int, gpus_per_node: int, usable: int, base: Scenario,
-                  lora_ok: bool, notes: list[str]) -> list[Scenario]:
+                  lora_ok: bool, notes: list[str], exact: bool = False) -> list[Scenario]:
     """Try the knobs one at a time, then combined with train.ac=full if none fits alone.
 
     Runs that cannot fit are not run: the model state (sharded params + grads + optimizer state,
@@ -534,7 +748,7 @@ def _alternatives(cfg: Config, world_size: int, gpus_per_node: int, usable: int,
                 overrides=overrides, measured=False,
                 note=f"not run: the model state alone is {_gib(lb):.1f} GiB > {_gib(usable):.1f} GiB usable")
         else:
-            s, _, _ = _measure(variant, ws, usable, name, overrides)
+            s, _, _ = _measure(variant, ws, usable, name, overrides, exact=exact)
             bounds.setdefault((ws, variant.lora.rank), s)
         if keep:
             out.append(s)
@@ -592,7 +806,7 @@ def _alternatives(cfg: Config, world_size: int, gpus_per_node: int, usable: int,
 # -- command line ----------------------------------------------------------------------------------
 
 PLAN_USAGE = ("usage: shardlm plan --config FILE --nodes N --gpus-per-node G --gpu-mem-gib M [--headroom F] "
-              "[--json] [--no-alternatives] [--section.key=value ...]")
+              "[--json] [--no-alternatives] [--exact] [--section.key=value ...]")
 
 
 def plan_command(args: list[str]) -> int:
@@ -604,7 +818,7 @@ def plan_command(args: list[str]) -> int:
         return 0
     opts: dict[str, str] = {}
     rest: list[str] = []
-    as_json, alternatives = False, True
+    as_json, alternatives, exact = False, True, False
     names = ("--config", "--nodes", "--gpus-per-node", "--gpu-mem-gib", "--headroom")
     i = 0
     while i < len(args):
@@ -614,6 +828,8 @@ def plan_command(args: list[str]) -> int:
             as_json = True
         elif a == "--no-alternatives":
             alternatives = False
+        elif a == "--exact":
+            exact = True
         elif key in names:
             if "=" in a:
                 opts[key] = a.split("=", 1)[1]
@@ -648,7 +864,7 @@ def plan_command(args: list[str]) -> int:
     cfg = load_config(opts.get("--config"), keep)
     for k, v in extra.items():
         _set(cfg, k, v)
-    report = plan(cfg, nodes * gpn, mem, gpn, headroom=headroom, alternatives=alternatives)
+    report = plan(cfg, nodes * gpn, mem, gpn, headroom=headroom, alternatives=alternatives, exact=exact)
     print(report.to_json() if as_json else report.format())
     return 0 if report.fits else 3
 
