@@ -98,6 +98,8 @@ class TrainSection:
     cpu_offload: bool = _f(False, "Keep sharded parameters, gradients and optimizer state in CPU memory "
                            "(FSDP2 CPUOffloadPolicy; the optimizer step runs on the CPU).")
     compile: bool = _f(False, "torch.compile each transformer block (worth it on GPUs; off on CPU).")
+    compile_backend: str = _f("inductor", "torch.compile backend for train.compile: inductor (fused kernels), "
+                              "aot_eager (traces forward and backward, no codegen: for debugging), eager.")
     lr: float = _f(3e-4, "Peak learning rate (AdamW).")
     warmup_steps: int = _f(10, "Linear warmup steps from ~0 to train.lr.")
     lr_schedule: Literal["cosine", "linear", "constant"] = _f("cosine", "Decay after warmup.")

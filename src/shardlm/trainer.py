@@ -101,7 +101,7 @@ def build_model(mc: ModelConfig, mesh, cfg: Config, device: torch.device) -> Tra
 
         apply_ac(model, t.ac, every=t.ac_every)
     if t.compile:
-        apply_compile(model)
+        apply_compile(model, t.compile_backend)
     apply_fsdp(model, mesh, mp_policy(t.mixed_precision, t.reduce_dtype), cfg.parallel.reshard_after_forward,
                cpu_offload=t.cpu_offload)
     model.to_empty(device="cpu" if t.cpu_offload else device)
