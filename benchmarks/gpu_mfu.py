@@ -41,6 +41,9 @@ def run_one(preset: str, overrides: dict, steps: int, out: Path) -> dict:
     p = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     if p.returncode != 0:
         return {"error": (p.stderr.strip().splitlines() or ["?"])[-1][:160]}
+    banner = next((ln for ln in p.stdout.splitlines() if ln.startswith("shardlm: ")), "")
+    if "fp8" in str(overrides.get("train.mixed_precision")) and "float8 all-gather" not in banner:
+        return {"error": f"float8 all-gather was not enabled: {banner[:160]}"}
     recs = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     steady = recs[len(recs) // 3:]
     med = lambda k: statistics.median(r[k] for r in steady)  # noqa: E731

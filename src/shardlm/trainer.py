@@ -362,9 +362,18 @@ class Trainer:
         self.metrics.write(
             f"shardlm: {self.env.world_size} rank(s) on {self.env.device.type} ({self.env.backend}), mesh {mesh} | "
             f"model {self.cfg.model.init_from or self.cfg.model.preset}: {mc.num_params() / 1e6:.2f}M params"
-            f"{self.trainable_note()}, {self.cfg.train.mixed_precision} | "
+            f"{self.trainable_note()}, {self.precision_note()} | "
             f"data {len(self.files)} files, {m['tokens'] / 1e6:.2f}M tokens, {self.loader.n_windows} sequences of "
             f"{d.seq_len} | global batch {self.loader.global_batch} seqs = {tokens_per_step} tokens/step")
+
+    def precision_note(self) -> str:
+        """``bf16``, or ``fp8 tensorwise (28 float8 linears, float8 all-gather)`` and the like."""
+        t = self.cfg.train
+        if t.mixed_precision != "fp8":
+            return t.mixed_precision
+        n = sum(type(m).__name__ == "Float8Linear" for m in self.model.modules())
+        extra = ", float8 all-gather" if self.fp8_all_gather else ""
+        return f"fp8 {t.fp8_recipe}{' emulated' if t.fp8_emulate else ''} ({n} float8 linears{extra})"
 
     def trainable_note(self) -> str:
         """`` (3.1% trainable: LoRA r=8)`` when not every parameter trains."""
