@@ -105,10 +105,15 @@ def build_model(mc: ModelConfig, mesh, cfg: Config, device: torch.device) -> Tra
     apply_fsdp(model, mesh, mp_policy(t.mixed_precision, t.reduce_dtype), cfg.parallel.reshard_after_forward,
                cpu_offload=t.cpu_offload)
     model.to_empty(device="cpu" if t.cpu_offload else device)
-    model.init_weights(seed=t.seed, shard_view=shard_view)  # LoRA adapters start here too (B = 0)
-    if hf_dir(cfg) is not None:
+    if hf_dir(cfg) is None:
+        model.init_weights(seed=t.seed, shard_view=shard_view)  # LoRA adapters start here too (B = 0)
+    else:
         from shardlm.hf_io import load_hf_weights
+        from shardlm.lora import is_lora_param
 
+        # The HF files hold every base weight (load_hf_weights errors on any missing): draw only the
+        # adapters, not 70B numbers that the load overwrites.
+        model.init_weights(seed=t.seed, shard_view=shard_view, only=is_lora_param)
         load_hf_weights(model, hf_dir(cfg))
     return model
 

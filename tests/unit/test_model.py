@@ -70,3 +70,21 @@ def test_generate_is_deterministic_per_seed():
     assert a == generate(m, [1, 2, 3], 10, context=16, seed=5) and len(a) == 13 and a[:3] == [1, 2, 3]
     greedy = generate(m, [1, 2, 3], 5, context=16, temperature=0)
     assert greedy[3] == int(m(torch.tensor([[1, 2, 3]]))[0, -1].argmax())
+
+
+def test_init_weights_only_fills_what_is_selected():
+    cfg = ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, vocab_size=40)
+    model = Transformer(cfg)
+    model.init_weights(seed=3)
+    ref = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(7.0)
+    model.init_weights(seed=3, only=lambda n: n.endswith("q_proj.weight"))
+    picked = [n for n in ref if n.endswith("q_proj.weight")]
+    assert len(picked) == 2
+    for n, p in model.named_parameters():
+        if n in picked:
+            assert torch.equal(p, ref[n])  # the same numbers as a full init
+        else:
+            assert bool((p == 7.0).all()), n  # untouched

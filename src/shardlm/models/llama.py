@@ -253,17 +253,21 @@ class Transformer(nn.Module):
         return ("normal", 0.02)
 
     @torch.no_grad()
-    def init_weights(self, seed: int = 0, shard_view: ShardView = _whole) -> None:
-        """Fill every parameter and recompute the RoPE buffers.
+    def init_weights(self, seed: int = 0, shard_view: ShardView = _whole,
+                     only: Callable[[str], bool] | None = None) -> None:
+        """Fill every parameter (or those whose name passes `only`) and recompute the RoPE buffers.
 
         The values depend only on `seed` and the parameter's name, never on how it is sharded:
         rows are drawn in fixed blocks, each from its own generator, so a rank that holds rows
         [a, b) draws just the blocks that cover them and gets the same numbers as one rank would.
+        `only` skips what is about to be overwritten (the base weights of an HF load).
         """
         self.rope.reset_parameters()
         for mod_name, module in self.named_modules():
             for pname, p in module.named_parameters(recurse=False):
                 name = f"{mod_name}.{pname}" if mod_name else pname
+                if only is not None and not only(name):
+                    continue
                 # A swapped-in module (LoRA) may say how its own parameters start.
                 spec = module.init_spec(pname) if hasattr(module, "init_spec") and module is not self else None
                 local, row0 = shard_view(p)
