@@ -320,6 +320,7 @@ def _tracker_class():
             curr = getattr(self, "_curr_mem_snap", None)
             if curr is None:  # a torch whose internals differ: fall back to the upstream bookkeeping
                 return super()._update_peak_stats(peak_state)
+            total_all = off_all = 0
             for dev, dev_snap in curr.items():
                 total = dev_snap["Total"]
                 if self._peak_mem.get(dev, 0) < total:
@@ -328,26 +329,18 @@ def _tracker_class():
                 off = total - sum(dev_snap.get(k, 0) for k in self._offloaded_keys)
                 if off > self.offload_peak:
                     self.offload_peak = off
-            if self.phases is not None:
-                self._record_phase(curr)
-
-        def _record_phase(self, curr):
-            flat: dict[str, int] = {}
-            for dev_snap in curr.values():
-                for k, v in dev_snap.items():
-                    name = str(getattr(k, "value", k))
-                    flat[name] = flat.get(name, 0) + v
-            flat["offload"] = flat["Total"] - sum(flat.get(n, 0) for n in _OFFLOADED)
-            key = _phase_key(self.phase, self._mod_tracker.parents, self._mod_tracker.is_bw)
-            prev = self.phases.get(key)
-            if prev is None:
-                self.phases[key] = dict(flat)
-            else:  # keep the snapshot at the phase's peak, and the phase's own offload peak
-                off = max(prev["offload"], flat["offload"])
-                if flat["Total"] > prev["Total"]:
-                    prev.clear()
-                    prev.update(flat)
-                prev["offload"] = off
+                total_all += total
+                off_all += off
+            if self.phases is not None:  # per-phase peaks: [total, snapshot at it, offload peak]
+                key = _phase_key(self.phase, self._mod_tracker.parents, self._mod_tracker.is_bw)
+                rec = self.phases.get(key)
+                if rec is None:
+                    self.phases[key] = [total_all, {d: dict(v) for d, v in curr.items()}, off_all]
+                else:
+                    if total_all > rec[0]:
+                        rec[0], rec[1] = total_all, {d: dict(v) for d, v in curr.items()}
+                    if off_all > rec[2]:
+                        rec[2] = off_all
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             # `tensor.device` on a fake tensor is itself an op (prim.device) and the autograd engine
@@ -507,7 +500,9 @@ def _fake_step(cfg: Config, world_size: int, mc=None, phases: bool = False) -> _
             peak = _flat(tracker.get_tracker_snapshot("peak"))
             offload = tracker.offload_peak or (peak["Total"] - sum(peak.get(n, 0) for n in _OFFLOADED))
             out = _Step(n_layers=mc.n_layers, n_params=mc.num_params(), trainable=trainable, peak=peak,
-                        model_state=_flat(state), offload=int(offload), phases=tracker.phases)
+                        model_state=_flat(state), offload=int(offload),
+                        phases=None if tracker.phases is None else
+                        {k: {**_flat(snap), "offload": off} for k, (_, snap, off) in tracker.phases.items()})
             del model, optimizer, pairs, batches, tracker
     finally:
         dist.destroy_process_group()
@@ -531,6 +526,7 @@ def _fake_step(cfg: Config, world_size: int, mc=None, phases: bool = False) -> _
 # runs all L layers instead. tests/unit/test_plan.py compares this with all-layer runs.
 
 _EDGE = 2
+_MIN_SAVING = 12  # blocks: see `_reduced_layers` (tests lower it to extrapolate small models)
 
 
 def _phase_key(phase: str, parents, is_bw: bool) -> tuple:
@@ -559,7 +555,9 @@ def _reduced_layers(n_layers: int, period: int) -> tuple[int, int] | None:
     n0 = 2 * _EDGE + 4 + 2 * period  # >= 2 middle blocks of each residue, also for phases spanning 4 blocks
     n_a = n0 + (n_layers - n0) % period  # same residue as n_layers: same edge pattern
     n_b = n_a + period
-    return (n_a, n_b) if n_layers > n_b + period else None
+    # A fake step costs a fixed part (build, to_empty, optimizer, embedding and head: about what 10
+    # blocks cost) plus its blocks: two short steps win once the model is deeper than ~n_a + n_b + 12.
+    return (n_a, n_b) if n_layers > max(n_b + period, n_a + n_b + _MIN_SAVING) else None
 
 
 def _classify(blocks: tuple[int, ...], n: int, period: int):

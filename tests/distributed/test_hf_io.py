@@ -25,6 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from hf_tiny import tiny_hf_model
 from launch import run_ranks
 
 # transformers is imported lazily (`_tf()`): the spawned ranks import this module and need only torch.
@@ -50,16 +51,9 @@ def _tf():
 
 
 def _hf_model(name: str):
-    transformers = _tf()
+    _tf()  # skip without transformers
     model_type, extra = CASES[name]
-    cfg = transformers.AutoConfig.for_model(model_type, **TINY, **extra)
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager", dtype=torch.float32)
-    with torch.no_grad():
-        for pname, p in model.named_parameters():
-            if p.ndim == 1:  # norm gains around 1, biases around 0
-                p.copy_(torch.randn_like(p) * 0.2 + (1.0 if "norm" in pname else 0.0))
-    return model.eval()
+    return tiny_hf_model(model_type, **TINY, **extra)
 
 
 def _logits(model) -> torch.Tensor:

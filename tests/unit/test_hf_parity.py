@@ -20,6 +20,8 @@ from shardlm.models.hf import (  # noqa: E402
 from shardlm.models.llama import ModelConfig, RopeScaling, Transformer, rope_inv_freq  # noqa: E402
 from shardlm.models.presets import PRESETS  # noqa: E402
 
+from hf_tiny import tiny_hf_model  # noqa: E402
+
 TINY = dict(
     hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
     vocab_size=256, max_position_embeddings=128, rms_norm_eps=1e-6, initializer_range=0.1,
@@ -39,14 +41,7 @@ CASES = {
 def _hf_model(name: str):
     """A tiny fp32 HF causal LM with random weights, biases and norm gains."""
     model_type, extra = CASES[name]
-    hf_cfg = transformers.AutoConfig.for_model(model_type, **TINY, **extra)
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(hf_cfg, attn_implementation="eager", dtype=torch.float32)
-    with torch.no_grad():
-        for pname, p in model.named_parameters():
-            if p.ndim == 1:  # norm gains around 1, biases around 0: parity must not hinge on the defaults
-                p.copy_(torch.randn_like(p) * 0.2 + (1.0 if "norm" in pname else 0.0))
-    return model.eval()
+    return tiny_hf_model(model_type, **TINY, **extra)
 
 
 def _ours(cfg: ModelConfig, hf_sd: dict[str, torch.Tensor]) -> Transformer:

@@ -142,12 +142,20 @@ def test_cli(capsys):
 DEEP = ("--model.preset=debug", "--model.n_layers=17", "--data.seq_len=64")
 
 
+@pytest.fixture
+def extrapolate_small(monkeypatch):
+    """Plan the 17-layer debug models from two short steps too (below the depth where it pays off)."""
+    from shardlm import plan as P
+
+    monkeypatch.setattr(P, "_MIN_SAVING", -100)
+
+
 @pytest.mark.parametrize("extra", [
     ("--train.grad_accum=2",),  # two micro-batches: phases per micro-batch, unsharded grads
     ("--lora.rank=8", "--train.ac=selective", "--train.ac_every=3"),  # stale blocks in backward; period 3
     ("--parallel.dp_replicate=2", "--train.ac=selective_op", "--train.mixed_precision=bf16"),
 ], ids=["accum", "lora-selective3", "hsdp-sac-bf16"])
-def test_extrapolated_plan_equals_every_layer(extra):
+def test_extrapolated_plan_equals_every_layer(extra, extrapolate_small):
     cfg = _cfg(*DEEP, *extra)
     fast = plan(cfg, world_size=4, gpu_mem_gib=80, alternatives=False)
     full = plan(cfg, world_size=4, gpu_mem_gib=80, alternatives=False, exact=True)
@@ -159,7 +167,7 @@ def test_extrapolated_plan_equals_every_layer(extra):
     assert fast.base.offload_peak_bytes == full.base.offload_peak_bytes
 
 
-def test_extrapolation_checks_its_fit():
+def test_extrapolation_checks_its_fit(extrapolate_small):
     from shardlm import plan as P
 
     cfg = _cfg(*DEEP)
@@ -174,7 +182,15 @@ def test_extrapolation_checks_its_fit():
     b.phases[key] = {k: v * 2 for k, v in b.phases[key].items()}
     with pytest.raises(P._NotAffine, match="off the fit"):
         P._extrapolate(a, b, mc.n_layers, 1)
-    assert P._reduced_layers(12, 1) is None  # short models: every layer is as cheap
+
+
+def test_which_models_are_extrapolated():
+    from shardlm import plan as P
+
+    assert P._reduced_layers(32, 1) is None  # llama3_8b: two short steps cost about what 32 layers do
+    assert P._reduced_layers(80, 1) == (10, 11)  # llama3_70b
+    assert P._reduced_layers(80, 2) == (12, 14)  # selective AC every 2nd block: same residue mod 2
+    assert P._reduced_layers(126, 3) == (15, 18) and 126 % 3 == 15 % 3
 
 
 def test_breakdown_grouping():
