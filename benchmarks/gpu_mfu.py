@@ -2,6 +2,17 @@
 
     python benchmarks/gpu_mfu.py [--steps 30] [--save]            # writes benchmarks/results/gpu_mfu.txt
 
+shardlm need not be installed (src/ is put on PYTHONPATH); it needs tomli-w, and the fp8 rows need
+torchao (a release built for the machine's torch: 0.17 for torch 2.11). On a lent GPU machine without
+them (see /work/.library/device/README.md), fetch the wheels here and carry `.whl`:
+
+    echo /.whl/ >> .git/info/exclude
+    python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+        --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 -d .whl torchao==0.17.0 tomli-w==1.2.0
+    # on the device, one call:
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site \
+        && python3 benchmarks/gpu_mfu.py --save
+
 Models: a llama3_1b-shaped and a llama3_8b-shaped model with layers reduced so that full training fits
 one GPU (params + grads + AdamW ~ 16 bytes/param), each in bf16, bf16 + torch.compile, and
 fp8 (torchao tensorwise) + compile. Data: the built-in corpus with the byte tokenizer (the vocab
@@ -38,7 +49,9 @@ def run_one(preset: str, overrides: dict, steps: int, out: Path) -> dict:
          "train.micro_batch_size": 2, "train.warmup_steps": 5, "data.seq_len": 4096, "metrics.log_every": 1,
          "metrics.progress_bar": False, "checkpoint.save_final": False, "checkpoint.resume": "none", **overrides}
     cmd = [sys.executable, "-m", "shardlm", "train", *[f"--{k}={v}" for k, v in o.items()]]
-    p = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    path = os.pathsep.join(x for x in (str(ROOT / "src"), os.environ.get("PYTHONPATH")) if x)  # installed or not
+    p = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT,
+                       env={**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": path})
     if p.returncode != 0:
         return {"error": (p.stderr.strip().splitlines() or ["?"])[-1][:160]}
     banner = next((ln for ln in p.stdout.splitlines() if ln.startswith("shardlm: ")), "")

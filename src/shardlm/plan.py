@@ -51,12 +51,14 @@ the caching allocator's 512-byte rounding, fragmentation and cross-stream reuse 
 scratch memory. `headroom` (default
 10% of the GPU) is kept free for those.
 
-Speed: a fake step costs ~0.1-0.4 s of CPU per transformer block. Models with more than ~12
-layers (~16 with train.ac=selective) are planned from two fake steps of 10 and 11 layers (see
-"fewer layers, same answer" below): equal to the byte to running every layer in the tests, and
-checked on every plan. llama3_70b then takes ~6 s and llama3_405b ~10 s per scenario on a small
-CPU (every layer: ~15-25 s and ~40 s); `--exact` runs every layer. Alternatives that cannot fit
-(model state alone over the limit) are not run.
+Speed: a fake step costs a fixed ~1.5 s (build, to_empty, optimizer, embedding and head) plus
+~0.1-0.4 s of CPU per transformer block. Models deeper than ~33 layers (~38 with
+train.ac=selective) are planned from two fake steps of 10 and 11 layers (see "fewer layers, same
+answer" below): equal to the byte to running every layer in the tests and in
+benchmarks/plan_speed.py, and checked on every plan. llama3_70b then takes ~6-10 s per scenario
+and llama3_405b ~6 s on a 2-core CPU (every layer: ~20-40 s and ~30 s); a whole 70B plan with its
+alternatives ~45 s. `--exact` runs every layer. Alternatives that cannot fit (model state alone
+over the limit) are not run.
 """
 
 from __future__ import annotations
