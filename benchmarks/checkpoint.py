@@ -18,10 +18,11 @@ Measured, each repeated R times with the order alternating/rotating per repeat, 
       full  `get_model_state_dict` + `get_optimizer_state_dict` with StateDictOptions(full_state_dict=True,
             cpu_offload=True) (all-gathers every tensor; rank 0 keeps a CPU copy of it all), then rank 0
             `torch.save`s {model, optim, trainer} to one file, flush + fsync (as DCP does), a closing barrier.
- 2. RSS added on each rank by the save: a background thread reads /proc/self/statm every 5 ms; the figure is
-    the peak minus the RSS just before the save (after gc.collect() and malloc_trim(0), so memory freed by an
-    earlier measurement doesn't hide in the baseline). Next to it the kernel's own peak (VmHWM, reset through
-    /proc/self/clear_refs just before the save) minus the same baseline: the sampler can't miss that one.
+ 2. RSS added on each rank by the save: a background thread (`PeakRSS`, benchmarks/_common.py) reads
+    /proc/self/statm every 5 ms; the figure is the peak minus the RSS just before the save (after gc.collect()
+    and malloc_trim(0), so memory freed by an earlier measurement doesn't hide in the baseline). Next to it the
+    kernel's own peak (VmHWM, reset through /proc/self/clear_refs just before the save) minus the same baseline:
+    the sampler can't miss that one.
     Compared with the rank's shard (its local params + AdamW state bytes) and the full model + optimizer.
     The async save's figure (staging copy + background write, until it's on disk) is shown as well.
  3. How long the training loop is blocked:
@@ -40,17 +41,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
 import dataclasses
-import gc
-import json
 import os
 import platform
 import shutil
 import statistics
-import sysconfig
-import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -58,118 +53,19 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                      get_optimizer_state_dict)
-from torch.distributed.tensor import DTensor
 
 from shardlm.checkpoint import Checkpointer
 from shardlm.config import load_config
 from shardlm.metrics import MetricsLogger
 from shardlm.trainer import Trainer
 
-ROOT = Path(__file__).resolve().parents[1]
+from _common import (ROOT, MiB, PeakRSS, clear, du, gather, local_and_full_bytes, report, say, settle,
+                     shared_tmpdir, slowest, state_tensors, write_corpus)
+
 RESULT = Path(__file__).resolve().parent / "results" / "checkpoint_cpu.txt"
 CORPUS_BYTES = 1 << 20
 MODEL = ["--model.preset=debug", "--model.dim=1024", "--model.n_layers=2", "--model.ffn_dim=2816",
          "--model.n_heads=8", "--model.n_kv_heads=4", "--model.vocab_size=8192"]
-MiB = 2**20
-PAGE = os.sysconf("SC_PAGE_SIZE")
-
-
-def write_corpus(path: Path, n_bytes: int = CORPUS_BYTES) -> None:
-    """~n_bytes of the running Python's stdlib sources, one .jsonl record (document) per file."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    total = 0
-    with open(path, "w") as out:
-        for f in sorted(root.glob("*.py")):
-            try:
-                text = f.read_text("utf-8")
-            except (UnicodeDecodeError, OSError):
-                continue
-            out.write(json.dumps({"text": text}) + "\n")
-            total += len(text.encode())
-            if total >= n_bytes:
-                break
-
-
-def shared_tmpdir() -> Path:
-    obj = [None]
-    if dist.get_rank() == 0:
-        d = Path(tempfile.mkdtemp(prefix="shardlm-ckpt-bench-", dir="/tmp"))
-        write_corpus(d / "corpus.jsonl")
-        obj[0] = str(d)
-    dist.broadcast_object_list(obj, src=0)
-    return Path(obj[0])
-
-
-# -- memory ----------------------------------------------------------------------------------------
-
-try:
-    _LIBC = ctypes.CDLL("libc.so.6")
-except OSError:  # not glibc
-    _LIBC = None
-
-
-def settle() -> None:
-    """Free what Python and glibc hold on to, so the baseline RSS is what is live."""
-    gc.collect()
-    if _LIBC is not None and hasattr(_LIBC, "malloc_trim"):
-        _LIBC.malloc_trim(0)
-
-
-def rss() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * PAGE
-
-
-def reset_hwm() -> bool:
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
-def hwm() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
-class PeakRSS:
-    """Samples this process's RSS every `period` s from a thread; `.added` = peak - RSS at entry."""
-
-    def __init__(self, period: float = 0.005):
-        self.period = period
-
-    def __enter__(self):
-        self.base = rss()
-        self.hwm_ok = reset_hwm()
-        self.peak = self.base
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-        return self
-
-    def _run(self) -> None:
-        fd = os.open("/proc/self/statm", os.O_RDONLY)
-        try:
-            while not self._stop.is_set():
-                v = int(os.pread(fd, 128, 0).split()[1]) * PAGE
-                if v > self.peak:
-                    self.peak = v
-                time.sleep(self.period)
-        finally:
-            os.close(fd)
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._thread.join()
-        self.peak = max(self.peak, rss())
-        self.added = self.peak - self.base
-        self.hwm_added = (hwm() - self.base) if self.hwm_ok else float("nan")
-        return False
 
 
 def measure(*fns) -> tuple[list[float], list[list[float]]]:
@@ -183,29 +79,7 @@ def measure(*fns) -> tuple[list[float], list[list[float]]]:
             t0 = time.perf_counter()
             fn()
             walls.append(time.perf_counter() - t0)
-    w = torch.tensor(walls, dtype=torch.float64)
-    dist.all_reduce(w, op=dist.ReduceOp.MAX)
-    mem = [torch.zeros(2, dtype=torch.float64) for _ in range(dist.get_world_size())]
-    dist.all_gather(mem, torch.tensor([m.added, m.hwm_added], dtype=torch.float64))
-    return w.tolist(), [t.tolist() for t in mem]
-
-
-def state_bytes(model, optimizer) -> tuple[int, int]:
-    """(this rank's local bytes, the full bytes) of the model's params + the optimizer's tensor state."""
-    tensors = list(model.parameters()) + [v for s in optimizer.state.values() for v in s.values()
-                                         if isinstance(v, torch.Tensor)]
-    local = full = 0
-    for t in tensors:
-        lt = t.to_local() if isinstance(t, DTensor) else t
-        local += lt.numel() * lt.element_size()
-        full += t.numel() * t.element_size()
-    return local, full
-
-
-def du(path: Path) -> int:
-    if path.is_file():
-        return path.stat().st_size
-    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+    return slowest(walls), gather([m.added, m.hwm_added])
 
 
 # -- benchmark -------------------------------------------------------------------------------------
@@ -224,22 +98,9 @@ def main() -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     rank0 = rank == 0
-    tmp = shared_tmpdir()
+    tmp = shared_tmpdir("shardlm-ckpt-bench-", "/tmp",
+                        fill=lambda d: write_corpus(d / "corpus.jsonl", CORPUS_BYTES))
     log = open(tmp / f"trainer-rank{rank}.log", "w")
-
-    def say(msg: str) -> None:
-        if rank0:
-            print(msg, flush=True)
-
-    def clear(path: Path) -> None:
-        """Delete a checkpoint (untimed)."""
-        dist.barrier()
-        if rank0:
-            if path.is_dir():
-                shutil.rmtree(path, ignore_errors=True)
-            else:
-                path.unlink(missing_ok=True)
-        dist.barrier()
 
     cfg = load_config(None, [
         *MODEL, "--train.mixed_precision=fp32", "--train.device=cpu", "--train.micro_batch_size=1",
@@ -304,10 +165,8 @@ def main() -> None:
     t0 = time.perf_counter()
     train(2, None, ck_sync)
     step_time = (time.perf_counter() - t0) / 2
-    local_b, full_b = state_bytes(model, opt)
-    locals_ = [torch.zeros(1, dtype=torch.float64) for _ in range(world)]
-    dist.all_gather(locals_, torch.tensor([float(local_b)], dtype=torch.float64))
-    shard_b = [int(t.item()) for t in locals_]
+    local_b, full_b = local_and_full_bytes(state_tensors(model, opt))
+    shard_b = [int(x[0]) for x in gather([float(local_b)])]
     dcp_save()
     dcp_disk = du(tmp / "ckpt-sync") if rank0 else 0
     clear(tmp / "ckpt-sync")
@@ -429,12 +288,7 @@ def main() -> None:
         f"({delta['sync']:+.2f} paired), async on {loop['async']:.2f} s ({delta['async']:+.2f} paired)",
     ]
     if rank0:
-        text = "\n".join(lines) + "\n"
-        print("\n" + text, end="", flush=True)
-        if args.save:
-            RESULT.parent.mkdir(parents=True, exist_ok=True)
-            RESULT.write_text(text)
-            print(f"saved to {RESULT.relative_to(ROOT)}", flush=True)
+        report(lines, RESULT if args.save else None)
 
     with contextlib.redirect_stdout(log):
         ck_async.close()

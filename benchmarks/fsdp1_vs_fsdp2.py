@@ -31,12 +31,13 @@ warmup steps, N timed steps (step time = the slowest rank's, per step; median), 
 Step time is also split into forward + backward, clip_grad_norm_, and AdamW step + zero_grad (each the slowest
 rank's, median).
 
-Memory: a background thread reads /proc/self/statm every 5 ms; alongside, the kernel's peak (VmHWM, reset
-via /proc/self/clear_refs). Before each measured phase: gc.collect() + malloc_trim(0), so the baseline is
-what is live. By default (--malloc mmap) the script first calls mallopt(M_MMAP_THRESHOLD, 256 KiB): every
-tensor of 256 KiB or more is then its own mapping, unmapped when freed, so RSS tracks what PyTorch holds; with
-glibc's default dynamic threshold freed tensors stay in the heap and the training peaks come out about twice
-as large, mostly glibc's cache (--malloc default shows that). Figures (MiB, per rank):
+Memory: a background thread (`PeakRSS`, benchmarks/_common.py) reads /proc/self/statm every 5 ms; alongside,
+the kernel's peak (VmHWM, reset via /proc/self/clear_refs). Before each measured phase: gc.collect() +
+malloc_trim(0), so the baseline is what is live. By default (--malloc mmap) the script first calls
+mallopt(M_MMAP_THRESHOLD, 256 KiB): every tensor of 256 KiB or more is then its own mapping, unmapped when
+freed, so RSS tracks what PyTorch holds; with glibc's default dynamic threshold freed tensors stay in the heap
+and the training peaks come out about twice as large, mostly glibc's cache (--malloc default shows that).
+Figures (MiB, per rank):
   build     peak RSS while building + wrapping the model, over the RSS before the build
   training  peak RSS during the training steps (warmup + timed; the first step creates AdamW's state),
             over the same pre-build baseline: sharded params + grads + AdamW state + unsharded params and
@@ -54,16 +55,12 @@ units' FlatParameter.grad; FSDP2: the trainable DTensors' local grads) vs the ra
 from __future__ import annotations
 
 import argparse
-import ctypes
 import dataclasses
-import gc
 import os
 import platform
 import re
 import shutil
 import statistics
-import tempfile
-import threading
 import time
 import warnings
 from pathlib import Path
@@ -74,7 +71,6 @@ import torch.nn.functional as F
 from torch.distributed.fsdp import FullOptimStateDictConfig, FullStateDictConfig, StateDictType
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
-from torch.distributed.tensor import DTensor
 
 from shardlm.checkpoint import Checkpointer
 from shardlm.config import load_config
@@ -86,7 +82,9 @@ from shardlm.parallel.fsdp import clip_grad_norm_
 from shardlm.parallel.mesh import ParallelDims
 from shardlm.trainer import build_model, build_model_config
 
-ROOT = Path(__file__).resolve().parents[1]
+from _common import (LIBC, ROOT, MiB, PeakRSS, clear, du, gather, local_bytes, report, rss, say, settle,
+                     shared_tmpdir, slowest, state_tensors)
+
 RESULT = Path(__file__).resolve().parent / "results" / "fsdp1_vs_fsdp2_cpu.txt"
 MODEL = ["--model.preset=debug", "--model.dim=768", "--model.n_layers=6", "--model.ffn_dim=2048",
          "--model.n_heads=12", "--model.n_kv_heads=4", "--model.vocab_size=8192"]
@@ -99,112 +97,11 @@ SEQ_LEN, MICRO_BATCH, WARMUP, LORA_RANK, LORA_ALPHA = 64, 1, 2, 8, 16.0
 #    back as a view of exp_avg_sq's values, silently (the default FullOptimStateDictConfig has offload True).
 # On a CPU run there is nothing to offload, so False is the same memory-wise; rank0_only stays True.
 OFFLOAD = False
-MiB = 2**20
-PAGE = os.sysconf("SC_PAGE_SIZE")
 VARIANTS = ("FSDP1", "FSDP2")
 
 
-# -- memory (as in benchmarks/checkpoint.py) -----------------------------------------------------------
-
-try:
-    _LIBC = ctypes.CDLL("libc.so.6")
-except OSError:  # not glibc
-    _LIBC = None
-
-
+# glibc's mallopt parameter, and the threshold --malloc mmap sets (see the module docstring)
 M_MMAP_THRESHOLD, MMAP_THRESHOLD = -3, 256 * 1024
-
-
-def settle() -> None:
-    """Free what Python and glibc hold on to, so the baseline RSS is what is live."""
-    gc.collect()
-    if _LIBC is not None and hasattr(_LIBC, "malloc_trim"):
-        _LIBC.malloc_trim(0)
-
-
-def rss() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * PAGE
-
-
-def reset_hwm() -> bool:
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
-def hwm() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
-class PeakRSS:
-    """Samples this process's RSS every `period` s from a thread; `.added` = peak - `base` (default: RSS at
-    entry), `.hwm_added` = the kernel's peak since entry - `base`."""
-
-    def __init__(self, base: int | None = None, period: float = 0.005):
-        self.period, self._base = period, base
-
-    def __enter__(self):
-        self.base = rss() if self._base is None else self._base
-        self.hwm_ok = reset_hwm()
-        self.peak = rss()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-        return self
-
-    def _run(self) -> None:
-        fd = os.open("/proc/self/statm", os.O_RDONLY)
-        try:
-            while not self._stop.is_set():
-                v = int(os.pread(fd, 128, 0).split()[1]) * PAGE
-                if v > self.peak:
-                    self.peak = v
-                time.sleep(self.period)
-        finally:
-            os.close(fd)
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._thread.join()
-        self.peak = max(self.peak, rss())
-        self.added = self.peak - self.base
-        self.hwm_added = (hwm() - self.base) if self.hwm_ok else float("nan")
-        return False
-
-
-def gather(values: list[float]) -> list[list[float]]:
-    """Every rank's `values` (floats), indexed [rank][i]."""
-    out = [torch.zeros(len(values), dtype=torch.float64) for _ in range(dist.get_world_size())]
-    dist.all_gather(out, torch.tensor(values, dtype=torch.float64))
-    return [t.tolist() for t in out]
-
-
-def slowest(values: list[float]) -> list[float]:
-    t = torch.tensor(values, dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.tolist()
-
-
-def local_bytes(tensors) -> int:
-    n = 0
-    for t in tensors:
-        t = t.to_local() if isinstance(t, DTensor) else t
-        n += t.numel() * t.element_size()
-    return n
-
-
-def du(path: Path) -> int:
-    if path.is_file():
-        return path.stat().st_size
-    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
 # -- the two setups ------------------------------------------------------------------------------------
@@ -229,8 +126,7 @@ class Setup:
 
     def state_bytes(self) -> int:
         """This rank's params + AdamW state."""
-        return local_bytes(list(self.model.parameters()) + [v for s in self.optimizer.state.values()
-                                                            for v in s.values() if isinstance(v, torch.Tensor)])
+        return local_bytes(state_tensors(self.model, self.optimizer))
 
 
 class FSDP1Setup(Setup):
@@ -374,7 +270,7 @@ def main() -> None:
         ap.error("--repeats, --steps and --lora-steps must be >= 1")
 
     if args.malloc == "mmap":
-        if _LIBC is None or not _LIBC.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD):
+        if LIBC is None or not LIBC.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD):
             ap.error("--malloc mmap needs glibc's mallopt; pass --malloc default")
     torch.set_num_threads(1)  # 2 ranks on 2 cores
     warnings.filterwarnings("ignore", message=r"FSDP.state_dict_type\(\) and FSDP.set_state_dict_type\(\) are being "
@@ -382,13 +278,7 @@ def main() -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     rank0 = rank == 0
-    obj = [tempfile.mkdtemp(prefix="shardlm-fsdp1v2-", dir="/tmp") if rank0 else None]
-    dist.broadcast_object_list(obj, src=0)
-    tmp = Path(obj[0])
-
-    def say(msg: str) -> None:
-        if rank0:
-            print(msg, flush=True)
+    tmp = shared_tmpdir("shardlm-fsdp1v2-", "/tmp")
 
     cfg = load_config(None, CFG_ARGS)
     mc = build_model_config(cfg, 257)  # the byte tokenizer's vocab; vocab_size 8192 covers it
@@ -402,12 +292,6 @@ def main() -> None:
         if which == "FSDP1":
             return FSDP1Setup(cfg, mc, lora, use_orig_params)
         return FSDP2Setup(cfg, mc, mesh, lora)
-
-    def clear(path: Path) -> None:
-        dist.barrier()
-        if rank0:
-            shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
-        dist.barrier()
 
     # -- full training: build, steps, checkpoint; each variant built afresh per repeat ------------------
     res: dict[str, list[dict]] = {v: [] for v in VARIANTS}
@@ -574,12 +458,7 @@ def main() -> None:
                                   + ", ".join(f"{x['save']:.2f}" for x in res[v]) + " s" for v in VARIANTS),
     ]
     if rank0:
-        text = "\n".join(lines) + "\n"
-        print("\n" + text, end="", flush=True)
-        if args.save:
-            RESULT.parent.mkdir(parents=True, exist_ok=True)
-            RESULT.write_text(text)
-            print(f"saved to {RESULT.relative_to(ROOT)}", flush=True)
+        report(lines, RESULT if args.save else None)
     dist.barrier()
     dist.destroy_process_group()
     if rank0:

@@ -19,11 +19,11 @@ line); the other rank waits (broadcast).
    variant is built fresh (and thrown away) R times, order alternating (L,F / F,L / ...): per build, W
    untimed steps (the first allocates the optimizer state), then N timed steps as one `Trainer.train()`
    call started from a barrier, its time the slowest rank's; tokens/s = N x global batch x seq_len / that
-   time. RSS is sampled (every 5 ms, from a thread, /proc/self/statm) from just before `Trainer(cfg)` to
-   the end of the timed steps: "peak+" is the peak minus the RSS before the Trainer was built (after
-   gc.collect + malloc_trim), "peak" the absolute peak, "HWM+" the kernel's VmHWM (reset through
-   /proc/self/clear_refs at the start) minus the same baseline, "built+" the RSS right after the Trainer
-   was built (model loaded, data tokenised) minus the baseline. Medians over the R builds.
+   time. RSS is sampled (every 5 ms, from a thread, /proc/self/statm: `PeakRSS` in benchmarks/_common.py)
+   from just before `Trainer(cfg)` to the end of the timed steps: "peak+" is the peak minus the RSS before
+   the Trainer was built (after gc.collect + malloc_trim), "peak" the absolute peak, "HWM+" the kernel's
+   VmHWM (reset through /proc/self/clear_refs at the start) minus the same baseline, "built+" the RSS right
+   after the Trainer was built (model loaded, data tokenised) minus the baseline. Medians over the R builds.
 2. HF load, same process, both ranks at once, R times alternating, medians:
      shardlm  `shardlm.trainer.build_model` (what the Trainer runs: Transformer on meta -> fully_shard each
               block + root -> to_empty -> init_weights -> `hf_io.load_hf_weights`: every rank reads only its
@@ -46,16 +46,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
 import dataclasses
-import gc
 import json
 import os
 import platform
 import shutil
 import statistics
-import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -68,10 +64,10 @@ from shardlm.metrics import MetricsLogger
 from shardlm.parallel.mesh import ParallelDims
 from shardlm.trainer import Trainer, build_model, build_model_config
 
-ROOT = Path(__file__).resolve().parents[1]
+from _common import (ROOT, MiB, PeakRSS, gather, local_and_full_bytes, local_bytes, max_over_ranks, report, say,
+                     settle, shared_tmpdir, statm)
+
 RESULT = Path(__file__).resolve().parent / "results" / "lora_cpu.txt"
-MiB = 2**20
-PAGE = os.sysconf("SC_PAGE_SIZE")
 LORA_RANK, LORA_ALPHA = 16, 32
 TARGETS = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
 SFT_PAIRS = 600  # ~150 packed rows of 128: more than the run consumes (and it wraps around anyway)
@@ -100,125 +96,12 @@ def make_hf_model(out: Path, n_layers: int) -> None:
     del model
 
 
-def shared_tmpdir(n_layers: int) -> Path:
-    """Rank 0 makes the temp dir, the HF model and the SFT data; every rank gets the path after that."""
+def write_assets(d: Path, n_layers: int) -> None:
+    """The HF model and the SFT data, into d (rank 0, before the others go on)."""
     from shardlm.demo_assets import sft_pairs
 
-    obj = [None]
-    if dist.get_rank() == 0:
-        d = Path(tempfile.mkdtemp(prefix="shardlm-lora-bench-", dir="/tmp"))
-        try:
-            make_hf_model(d / "model", n_layers)
-            (d / "sft.jsonl").write_text("".join(json.dumps(p) + "\n" for p in sft_pairs(SFT_PAIRS)))
-            obj[0] = str(d)
-        except BaseException:
-            shutil.rmtree(d, ignore_errors=True)
-            dist.broadcast_object_list([None], src=0)
-            raise
-    dist.broadcast_object_list(obj, src=0)
-    if obj[0] is None:
-        raise RuntimeError("rank 0 failed to write the benchmark model")
-    return Path(obj[0])
-
-
-# -- memory ----------------------------------------------------------------------------------------
-
-try:
-    _LIBC = ctypes.CDLL("libc.so.6")
-except OSError:  # not glibc
-    _LIBC = None
-
-
-def settle() -> None:
-    """Free what Python and glibc hold on to, so the baseline RSS is what is live."""
-    gc.collect()
-    if _LIBC is not None and hasattr(_LIBC, "malloc_trim"):
-        _LIBC.malloc_trim(0)
-
-
-def reset_hwm() -> bool:
-    """Reset the kernel's peak-RSS counter (VmHWM) of this process."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
-def hwm() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
-def statm() -> tuple[int, int]:
-    """(resident, anonymous = resident - shared/file-backed) bytes of this process."""
-    with open("/proc/self/statm") as f:
-        v = f.read().split()
-    return int(v[1]) * PAGE, (int(v[1]) - int(v[2])) * PAGE
-
-
-class PeakRSS:
-    """Samples this process's RSS every `period` s from a thread; peak and peak anon since entry."""
-
-    def __init__(self, period: float = 0.005):
-        self.period = period
-
-    def __enter__(self):
-        self.base, self.base_anon = statm()
-        self.hwm_ok = reset_hwm()
-        self.peak, self.peak_anon = self.base, self.base_anon
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-        return self
-
-    def _update(self, res: int, anon: int) -> None:
-        self.peak = max(self.peak, res)
-        self.peak_anon = max(self.peak_anon, anon)
-
-    def _run(self) -> None:
-        fd = os.open("/proc/self/statm", os.O_RDONLY)
-        try:
-            while not self._stop.is_set():
-                v = os.pread(fd, 128, 0).split()
-                self._update(int(v[1]) * PAGE, (int(v[1]) - int(v[2])) * PAGE)
-                time.sleep(self.period)
-        finally:
-            os.close(fd)
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._thread.join()
-        self._update(*statm())
-        self.hwm_added = (hwm() - self.base) if self.hwm_ok else float("nan")
-        return False
-
-
-def gather(values: list[float]) -> list[list[float]]:
-    """Every rank's `values` -> [rank][i]."""
-    out = [torch.zeros(len(values), dtype=torch.float64) for _ in range(dist.get_world_size())]
-    dist.all_gather(out, torch.tensor(values, dtype=torch.float64))
-    return [t.tolist() for t in out]
-
-
-def max_over_ranks(x: float) -> float:
-    t = torch.tensor(x, dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.item()
-
-
-def local_bytes(tensors) -> tuple[int, int]:
-    """(this rank's local bytes, full bytes) of tensors (DTensors: their local shard)."""
-    loc = full = 0
-    for t in tensors:
-        lt = t.to_local() if isinstance(t, DTensor) else t
-        loc += lt.numel() * lt.element_size()
-        full += t.numel() * t.element_size()
-    return loc, full
+    make_hf_model(d / "model", n_layers)
+    (d / "sft.jsonl").write_text("".join(json.dumps(p) + "\n" for p in sft_pairs(SFT_PAIRS)))
 
 
 # -- benchmark -------------------------------------------------------------------------------------
@@ -240,14 +123,10 @@ def main() -> None:
     rank0 = rank == 0
     t_start = time.perf_counter()
 
-    def say(msg: str) -> None:
-        if rank0:
-            print(msg, flush=True)
-
     say(f"writing the HF model ({args.layers} layers) and SFT data ...")
-    tmp = shared_tmpdir(args.layers)
+    tmp = shared_tmpdir("shardlm-lora-bench-", "/tmp", fill=lambda d: write_assets(d, args.layers))
     try:
-        run(args, tmp, rank, world, say, t_start)
+        run(args, tmp, rank, world, t_start)
     finally:
         dist.barrier()
         if rank0:
@@ -255,7 +134,7 @@ def main() -> None:
         dist.destroy_process_group()
 
 
-def run(args, tmp: Path, rank: int, world: int, say, t_start: float) -> None:
+def run(args, tmp: Path, rank: int, world: int, t_start: float) -> None:
     rank0 = rank == 0
     model_dir = tmp / "model"
     log = open(tmp / f"trainer-rank{rank}.log", "w")
@@ -329,7 +208,7 @@ def run(args, tmp: Path, rank: int, world: int, say, t_start: float) -> None:
         Transformer.init_weights, hf_io.load_hf_weights = orig_init, orig_load
     parts = dict(zip(parts, gather([parts[k] for k in parts])[0]))  # rank 0's
     theirs = load_hf()
-    shard_b, full_b = local_bytes(list(ours.parameters()))
+    shard_b, full_b = local_and_full_bytes(list(ours.parameters()))
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, tok.vocab_size, (2, 32), generator=g)
     with torch.no_grad():
@@ -379,10 +258,10 @@ def run(args, tmp: Path, rank: int, world: int, say, t_start: float) -> None:
     def describe(trainer: Trainer) -> dict:
         """Sizes of the trainer's state (a function: no reference to a parameter outlives it)."""
         params = list(trainer.model.parameters())
-        p_loc, _ = local_bytes(params)
-        t_loc, _ = local_bytes(trainer.params)
-        opt_loc, _ = local_bytes([v for st in trainer.optimizer.state.values() for v in st.values()
-                                  if isinstance(v, torch.Tensor) and v.ndim > 0])
+        p_loc = local_bytes(params)
+        t_loc = local_bytes(trainer.params)
+        opt_loc = local_bytes([v for st in trainer.optimizer.state.values() for v in st.values()
+                               if isinstance(v, torch.Tensor) and v.ndim > 0])
         return {"n_params": sum(p.numel() for p in params), "n_train": sum(p.numel() for p in trainer.params),
                 "per_rank": gather([float(p_loc), float(t_loc), float(opt_loc)]),
                 "tokens_per_step": trainer.loader.global_batch * trainer.cfg.data.seq_len,
@@ -544,12 +423,7 @@ def run(args, tmp: Path, rank: int, world: int, say, t_start: float) -> None:
         f"{full_b / MiB:.0f} MiB, rank shard {max(shards) / MiB:.0f} MiB",
         f"total benchmark time {time.perf_counter() - t_start:.0f} s",
     ]
-    text = "\n".join(lines) + "\n"
-    print("\n" + text, end="", flush=True)
-    if args.save:
-        RESULT.parent.mkdir(parents=True, exist_ok=True)
-        RESULT.write_text(text)
-        print(f"saved to {RESULT.relative_to(ROOT)}", flush=True)
+    report(lines, RESULT if args.save else None)
 
 
 if __name__ == "__main__":

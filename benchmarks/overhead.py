@@ -44,13 +44,10 @@ import argparse
 import contextlib
 import dataclasses
 import gc
-import json
 import os
 import platform
 import shutil
 import statistics
-import sysconfig
-import tempfile
 import time
 from pathlib import Path
 
@@ -67,27 +64,12 @@ from shardlm.parallel.fsdp import DTYPES, shard_view
 from shardlm.parallel.mesh import dp_rank
 from shardlm.trainer import Trainer
 
-ROOT = Path(__file__).resolve().parents[1]
+from _common import ROOT, report, shared_tmpdir, write_corpus
+
 CONFIG = ROOT / "configs" / "debug.toml"
 RESULT = Path(__file__).resolve().parent / "results" / "overhead_cpu.txt"
 TARGET = 0.97
 CORPUS_BYTES = 2 << 20
-
-
-def write_corpus(path: Path, n_bytes: int = CORPUS_BYTES) -> None:
-    """~n_bytes of the running Python's stdlib sources, one .jsonl record (document) per file."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    total = 0
-    with open(path, "w") as out:
-        for f in sorted(root.glob("*.py")) + sorted(root.glob("*/*.py")):
-            try:
-                text = f.read_text("utf-8")
-            except (UnicodeDecodeError, OSError):
-                continue
-            out.write(json.dumps({"text": text}) + "\n")
-            total += len(text.encode())
-            if total >= n_bytes:
-                break
 
 
 def no_checkpoint_overrides() -> list[str]:
@@ -98,17 +80,6 @@ def no_checkpoint_overrides() -> list[str]:
     keys = {f.metadata.get("key", f.name) for f in dataclasses.fields(section)}  # type: ignore[arg-type]
     wanted = {"interval": "0", "save_final": "false", "resume": "none"}
     return [f"--checkpoint.{k}={v}" for k, v in wanted.items() if k in keys]
-
-
-def shared_tmpdir() -> Path:
-    """Rank 0 makes the temp dir (and the corpus in it); every rank gets its path."""
-    obj = [None]
-    if dist.get_rank() == 0:
-        d = Path(tempfile.mkdtemp(prefix="shardlm-overhead-"))
-        write_corpus(d / "corpus.jsonl")
-        obj[0] = str(d)
-    dist.broadcast_object_list(obj, src=0)
-    return Path(obj[0])
 
 
 class Minimal:
@@ -190,7 +161,8 @@ def main() -> None:
     torch.set_num_threads(1)  # 2 ranks on 2 cores
     dist.init_process_group("gloo")  # the Trainer joins this group (init_distributed sees it initialised)
     rank0 = dist.get_rank() == 0
-    tmp = shared_tmpdir()
+    tmp = shared_tmpdir("shardlm-overhead-",
+                        fill=lambda d: write_corpus(d / "corpus.jsonl", CORPUS_BYTES, ("*.py", "*/*.py")))
     total = args.warmup + args.rounds * args.steps
     cfg = load_config(CONFIG, [
         "--model.preset=debug", "--train.mixed_precision=fp32", "--data.seq_len=128",
@@ -258,12 +230,7 @@ def main() -> None:
     lines.append("")
     lines.append(f"overhead: shardlm / minimal = {ratio:.2f}x (target >= {TARGET:.2f}x)")
     if rank0:
-        text = "\n".join(lines) + "\n"
-        print("\n" + text, end="", flush=True)
-        if args.save:
-            RESULT.parent.mkdir(parents=True, exist_ok=True)
-            RESULT.write_text(text)
-            print(f"saved to {RESULT.relative_to(ROOT)}", flush=True)
+        report(lines, RESULT if args.save else None)
 
     log.close()
     dist.barrier()
