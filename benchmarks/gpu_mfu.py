@@ -32,7 +32,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from _common import ROOT, report  # noqa: E402
 MODELS = {  # name: (preset, overrides)
     "llama3_1b": ("llama3_1b", {}),
     "llama3_8b (8 of 32 layers)": ("llama3_8b", {"model.n_layers": 8}),
@@ -86,11 +86,7 @@ def main() -> None:
                 mfu = "n/a" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"
                 lines.append(f"{mname:<28} {pname:<14} {r['tokens_per_sec']:>10,.0f} {mfu:>7} {r['mem_gib']:>9.1f}")
             print(lines[-1], flush=True)
-    text = "\n".join(lines)
-    print("\n" + text)
-    if args.save:
-        (ROOT / "benchmarks" / "results" / "gpu_mfu.txt").write_text(text + "\n")
-
+    report(lines, ROOT / "benchmarks" / "results" / "gpu_mfu.txt" if args.save else None)
 
 if __name__ == "__main__":
     main()

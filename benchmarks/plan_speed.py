@@ -17,9 +17,9 @@ import os
 import platform
 import sys
 import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from _common import ROOT, report  # noqa: E402
+
 sys.path.insert(0, str(ROOT / "src"))
 
 from shardlm.config import load_config  # noqa: E402
@@ -68,12 +68,8 @@ def main() -> None:
     lines += ["", f"full `shardlm plan` with alternatives, llama3_70b full FT on 1 x 8 x 80 GiB: "
                   f"{time.perf_counter() - t0:.1f}s, {len(r.alternatives)} alternatives, fits={r.fits}, "
                   f"most room: {r.best_alternative().name if r.best_alternative() else 'none'}"]
-    print(lines[-1])
-    text = "\n".join(lines)
-    print("\n" + text)
-    if args.save:
-        (ROOT / "benchmarks" / "results" / "plan_speed_cpu.txt").write_text(text + "\n")
-
+    print(lines[-1], flush=True)
+    report(lines, ROOT / "benchmarks" / "results" / "plan_speed_cpu.txt" if args.save else None)
 
 if __name__ == "__main__":
     main()

@@ -125,15 +125,13 @@ class Breakdown:
 
     @classmethod
     def from_snapshot(cls, snap: dict) -> Breakdown:
-        raw: dict[str, int] = {}
-        total = 0
-        for dev_snap in snap.values():  # one device (cpu) in practice; sum to be safe
-            for k, v in dev_snap.items():
-                name = str(getattr(k, "value", k))  # the tracker's keys: _FSDPRefType members + "Total"
-                if name == "Total":
-                    total += v
-                else:
-                    raw[name] = raw.get(name, 0) + v
+        return cls.from_flat(_flat(snap))
+
+    @classmethod
+    def from_flat(cls, flat: dict[str, int]) -> Breakdown:
+        """From category name -> bytes (with "Total"; a planner-only "offload" entry is ignored)."""
+        total = flat.get("Total", 0)
+        raw = {k: v for k, v in flat.items() if k not in ("Total", "offload")}
         groups = {g: sum(raw.get(n, 0) for n in names) for g, names in _GROUPS.items()}
         return cls(total=total, raw=raw, **groups)
 
@@ -445,16 +443,13 @@ class _Step:
 
 
 def _flat(snap: dict) -> dict[str, int]:
+    """A tracker snapshot ({device: {category: bytes}}) as {category name: bytes}, summed over devices."""
     out: dict[str, int] = {}
     for dev_snap in snap.values():
         for k, v in dev_snap.items():
             name = str(getattr(k, "value", k))
             out[name] = out.get(name, 0) + v
     return out
-
-
-def _breakdown(flat: dict[str, int]) -> Breakdown:
-    return Breakdown.from_snapshot({"cpu": {k: v for k, v in flat.items() if k != "offload"}})
 
 
 def _model_config(cfg: Config):
@@ -532,7 +527,7 @@ _MIN_SAVING = 12  # blocks: see `_reduced_layers` (tests lower it to extrapolate
 
 
 def _phase_key(phase: str, parents, is_bw: bool) -> tuple:
-    """(phase, forward/backward, the block indices running, the other modules running)."""
+    """(phase, forward/backward, (the block running,) or (), the root's other modules running)."""
     blocks, other = [], []
     for fqn in parents:
         parts = fqn.split(".")
@@ -554,7 +549,7 @@ def _period(cfg: Config) -> int:
 
 def _reduced_layers(n_layers: int, period: int) -> tuple[int, int] | None:
     """The two layer counts to run instead of `n_layers`, or None when running all is as cheap."""
-    n0 = 2 * _EDGE + 4 + 2 * period  # >= 2 middle blocks of each residue, also for phases spanning 4 blocks
+    n0 = 2 * _EDGE + 4 + 2 * period  # >= 2 middle blocks per residue fix its line; the others check it
     n_a = n0 + (n_layers - n0) % period  # same residue as n_layers: same edge pattern
     n_b = n_a + period
     # A fake step costs a fixed part (build, to_empty, optimizer, embedding and head: about what 10
@@ -563,16 +558,13 @@ def _reduced_layers(n_layers: int, period: int) -> tuple[int, int] | None:
 
 
 def _classify(blocks: tuple[int, ...], n: int, period: int):
-    """A phase's blocks -> (class, middle index or None).
+    """A phase's block (none, or one: see `_phase_key`) -> (class, middle index or None).
 
-    Several blocks can be active at once (the module tracker drops a block when its backward hook
-    fires, which can be late). A phase touching an edge block is named by each block's index from
-    its nearer end; one touching only middle blocks by the last one's index `m` (its residue mod
-    the period, and the others' offsets from it)."""
-    if not blocks or any(k < _EDGE or k >= n - _EDGE for k in blocks):
+    Outside the blocks and in an edge block the class names the block by its index from its nearer
+    end; a middle block `m` is classed by its residue mod the period and returned as the index."""
+    if not blocks or not _EDGE <= blocks[0] < n - _EDGE:
         return ("edge", tuple(k if k < n - k else k - n for k in blocks)), None
-    m = max(blocks)
-    return ("mid", m % period, tuple(k - m for k in blocks)), m
+    return ("mid", blocks[0] % period), blocks[0]
 
 
 class _NotAffine(Exception):
@@ -615,16 +607,16 @@ def _extrapolate(a: _Step, b: _Step, n_layers: int, period: int) -> tuple[dict[s
 
         def at(m: int, n: int, f1=f1, f2=f2, m1=m1, m2=m2, g=fb[m1]) -> dict[str, float]:
             along_k = _lerp(f1, f2, (m - m1) / (m2 - m1))  # same run, another middle block
-            shift = _lerp(f1, g, 1.0)  # the same block, p more layers
-            return {k: along_k.get(k, 0) + (shift.get(k, 0) - f1.get(k, 0)) * (n - a.n_layers) / period
-                    for k in set(along_k) | set(shift)}
+            # plus what the same block gains per `period` more layers (g: block m1 in the longer run)
+            return {k: along_k.get(k, 0) + (g.get(k, 0) - f1.get(k, 0)) * (n - a.n_layers) / period
+                    for k in set(along_k) | set(g)}
 
         for run, pts in ((a, pa), (b, pb)):  # every measured point must lie on the fit
             for m, f in pts:
                 if not _close(at(m, run.n_layers), f):
                     raise _NotAffine(f"phase {key}: block {m} of {run.n_layers} is off the fit")
-        r, span = key[2][1], -min(key[2][2])
-        lo = _EDGE + span + (r - _EDGE - span) % period
+        r = key[2][1]
+        lo = _EDGE + (r - _EDGE) % period
         hi = (n_layers - _EDGE - 1) - (n_layers - _EDGE - 1 - r) % period
         preds += [at(lo, n_layers), at(hi, n_layers)]
     for run in (a, b):  # the phases cover the step: their maximum is the run's peak
@@ -659,10 +651,10 @@ def _measure(cfg: Config, world_size: int, usable_bytes: int, name: str,
         step = _fake_step(cfg, world_size, mc)
     t = cfg.train
     cpu_offload = _cpu_offload(cfg)
-    peak_bd = _breakdown(step.peak)
+    peak_bd = Breakdown.from_flat(step.peak)
     scen = Scenario(name=name, world_size=world_size, micro_batch_size=t.micro_batch_size, seq_len=cfg.data.seq_len,
                     grad_accum=t.grad_accum, ac=_ac_mode(cfg), lora_rank=cfg.lora.rank, cpu_offload=cpu_offload,
-                    peak=peak_bd, model_state=_breakdown(step.model_state), offload_peak_bytes=step.offload,
+                    peak=peak_bd, model_state=Breakdown.from_flat(step.model_state), offload_peak_bytes=step.offload,
                     peak_bytes=step.offload if cpu_offload else peak_bd.total, usable_bytes=usable_bytes,
                     seconds=time.perf_counter() - t0, overrides=dict(overrides or {}), note=note)
     return scen, step.n_params, step.trainable

@@ -29,6 +29,8 @@ from shardlm.models.hf import config_from_hf, hf_state_dict_to_ours, our_state_d
 from shardlm.models.llama import ModelConfig, Transformer  # noqa: E402
 from shardlm.optim import build_optimizer  # noqa: E402
 
+from hf_tiny import tiny_hf_model  # noqa: E402
+
 R, ALPHA = 4, 8
 TINY = dict(
     hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
@@ -43,14 +45,7 @@ CASES = {  # (model_type, LoRA targets): all projections + the output head on Ll
 
 def _hf_base(model_type: str = "llama"):
     """A tiny fp32 HF causal LM, the same weights on every call."""
-    cfg = transformers.AutoConfig.for_model(model_type, **TINY, rope_parameters=dict(rope_type="default", rope_theta=1e4))
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager", dtype=torch.float32)
-    with torch.no_grad():
-        for pname, p in model.named_parameters():
-            if p.ndim == 1:
-                p.copy_(torch.randn_like(p) * 0.2 + (1.0 if "norm" in pname else 0.0))
-    return model.eval()
+    return tiny_hf_model(model_type, **TINY, rope_parameters=dict(rope_type="default", rope_theta=1e4))
 
 
 def _ours(hf) -> Transformer:
