@@ -51,7 +51,7 @@ def apply_compile(model: nn.Module, backend: str = "inductor") -> None:
         from shardlm.config import ConfigError
 
         raise ConfigError(f"train.compile_backend={backend!r} is not a torch.compile backend; use one of "
-                          f"{', '.join(torch._dynamo.list_backends())}")
+                          f"{', '.join(sorted({*torch._dynamo.list_backends(), 'aot_eager', 'eager'}))}")
     for block in model.layers:
         block.compile(backend=backend)
 
