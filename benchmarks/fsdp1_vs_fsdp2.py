@@ -79,7 +79,7 @@ from shardlm.models import Transformer
 from shardlm.models.llama import Block
 from shardlm.optim import build_optimizer
 from shardlm.parallel.fsdp import clip_grad_norm_
-from shardlm.parallel.mesh import ParallelDims
+from shardlm.parallel.mesh import ParallelDims, shutdown_distributed
 from shardlm.trainer import build_model, build_model_config
 
 from _common import (LIBC, ROOT, MiB, PeakRSS, clear, du, gather, local_bytes, report, rss, say, settle,
@@ -460,7 +460,7 @@ def main() -> None:
     if rank0:
         report(lines, RESULT if args.save else None)
     dist.barrier()
-    dist.destroy_process_group()
+    shutdown_distributed()  # frees the gloo threads before interpreter shutdown
     if rank0:
         shutil.rmtree(tmp, ignore_errors=True)
 

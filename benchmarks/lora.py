@@ -61,7 +61,7 @@ from torch.distributed.tensor import DTensor
 
 from shardlm.config import load_config
 from shardlm.metrics import MetricsLogger
-from shardlm.parallel.mesh import ParallelDims
+from shardlm.parallel.mesh import ParallelDims, shutdown_distributed
 from shardlm.trainer import Trainer, build_model, build_model_config
 
 from _common import (ROOT, MiB, PeakRSS, gather, local_and_full_bytes, local_bytes, max_over_ranks, report, say,
@@ -131,7 +131,7 @@ def main() -> None:
         dist.barrier()
         if rank0:
             shutil.rmtree(tmp, ignore_errors=True)
-        dist.destroy_process_group()
+        shutdown_distributed()  # frees the gloo threads before interpreter shutdown
 
 
 def run(args, tmp: Path, rank: int, world: int, t_start: float) -> None:

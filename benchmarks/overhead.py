@@ -61,7 +61,7 @@ from shardlm.data import build_loader
 from shardlm.metrics import MetricsLogger
 from shardlm.models import Transformer
 from shardlm.parallel.fsdp import DTYPES, shard_view
-from shardlm.parallel.mesh import dp_rank
+from shardlm.parallel.mesh import dp_rank, shutdown_distributed
 from shardlm.trainer import Trainer
 
 from _common import ROOT, report, shared_tmpdir, write_corpus
@@ -236,7 +236,7 @@ def main() -> None:
     dist.barrier()
     if rank0:
         shutil.rmtree(tmp, ignore_errors=True)
-    dist.destroy_process_group()
+    shutdown_distributed()  # frees the gloo threads before interpreter shutdown
 
 
 if __name__ == "__main__":

@@ -50,6 +50,10 @@ def _train(args: list[str]) -> int:
     finally:
         if trainer is not None:
             trainer.close()
+        else:  # the Trainer failed part-way: still free the process group it may have joined
+            from shardlm.parallel.mesh import shutdown_distributed
+
+            shutdown_distributed()
     return 0
 
 

@@ -27,7 +27,7 @@ from shardlm.optim import build_lr_scheduler, build_optimizer
 from shardlm.parallel.fp8 import apply_fp8, check_fp8_hardware, fp8_all_gather, precompute_fp8_scales
 from shardlm.parallel.fsdp import apply_compile, apply_fsdp, clip_grad_norm_, mp_policy, shard_view
 from shardlm.parallel.mesh import (ParallelDims, dp_rank, init_distributed, launched_world_size,
-                                   restart_store_warning)
+                                   restart_store_warning, shutdown_distributed)
 
 
 class TrainingError(ShardlmError):
@@ -401,7 +401,10 @@ class Trainer:
         self.metrics.close()
 
     def close(self) -> None:
+        """Finish the in-flight save, release the model and every process group; the end of a Trainer."""
         self.preemption.uninstall()
         self.checkpointer.close()
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        # The FSDP state inside the model holds the process groups: drop it so that their threads end
+        # here and not during interpreter shutdown (see shutdown_distributed).
+        self.model = self.optimizer = self.scheduler = self.params = None
+        shutdown_distributed()

@@ -23,7 +23,6 @@ def _entry(rank: int, world: int, port: int, fn: Callable, args: tuple, out: str
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     import torch
-    import torch.distributed as dist
 
     torch.set_num_threads(1)
     try:
@@ -32,8 +31,9 @@ def _entry(rank: int, world: int, port: int, fn: Callable, args: tuple, out: str
         Path(f"{out}.err{rank}").write_text(traceback.format_exc())
         raise
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        from shardlm.parallel.mesh import shutdown_distributed
+
+        shutdown_distributed()  # destroy_process_group alone can leave gloo threads to abort at exit
     if rank == 0:
         # Our own file, written and read by this test run: pickle is safe here.
         Path(out).write_bytes(pickle.dumps(result))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 from dataclasses import dataclass
 
@@ -97,3 +98,24 @@ def init_distributed(device: str = "auto") -> DistEnv:
         else:
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     return DistEnv(dist.get_rank(), dist.get_world_size(), local_rank, dev, backend)
+
+
+def shutdown_distributed() -> None:
+    """Destroy every process group and free its backend now, while the interpreter is fully alive.
+
+    `destroy_process_group()` alone leaves the gloo backend and its worker threads running for as
+    long as a DeviceMesh (its `_pg_registry`) or FSDP state still holds the group, which in practice
+    is until interpreter shutdown. A worker thread that drops its last tensor then needs the GIL of a
+    finalizing interpreter and the process aborts after a successful run ("terminate called without
+    an active exception", SIGABRT; pytorch#190489). So: destroy, drop the meshes' references, collect.
+    Release the model first (Trainer.close does): its FSDP state holds the groups too.
+    """
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    gc.collect()
+    for obj in gc.get_objects():
+        if type(obj) is DeviceMesh:  # not isinstance: some gc-tracked classes warn in __instancecheck__
+            registry = getattr(obj, "_pg_registry", None)  # torch >= 2.9; older meshes hold names only
+            if isinstance(registry, dict):
+                registry.clear()
+    gc.collect()
