@@ -51,16 +51,32 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                     get_optimizer_state_dict)
+from _common import (
+    ROOT,
+    MiB,
+    PeakRSS,
+    clear,
+    du,
+    gather,
+    local_and_full_bytes,
+    report,
+    say,
+    settle,
+    shared_tmpdir,
+    slowest,
+    state_tensors,
+    write_corpus,
+)
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+)
 
 from shardlm.checkpoint import Checkpointer
 from shardlm.config import load_config
-from shardlm.metrics import MetricsLogger
-from shardlm.trainer import Trainer
-
-from _common import (ROOT, MiB, PeakRSS, clear, du, gather, local_and_full_bytes, report, say, settle,
-                     shared_tmpdir, slowest, state_tensors, write_corpus)
+from shardlm.observe.metrics import MetricsLogger
+from shardlm.train.trainer import Trainer
 
 RESULT = Path(__file__).resolve().parent / "results" / "checkpoint_cpu.txt"
 CORPUS_BYTES = 1 << 20

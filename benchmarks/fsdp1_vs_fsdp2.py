@@ -68,22 +68,41 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.fsdp import FullOptimStateDictConfig, FullStateDictConfig, StateDictType
+from _common import (
+    LIBC,
+    ROOT,
+    MiB,
+    PeakRSS,
+    clear,
+    du,
+    gather,
+    local_bytes,
+    report,
+    rss,
+    say,
+    settle,
+    shared_tmpdir,
+    slowest,
+    state_tensors,
+)
+from torch.distributed.fsdp import (
+    FullOptimStateDictConfig,
+    FullStateDictConfig,
+    StateDictType,
+)
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
 from shardlm.checkpoint import Checkpointer
 from shardlm.config import load_config
+from shardlm.distributed.env import shutdown_distributed
 from shardlm.lora import apply_lora
 from shardlm.models import Transformer
 from shardlm.models.llama import Block
-from shardlm.optim import build_optimizer
+from shardlm.parallel.dims import ParallelDims
 from shardlm.parallel.fsdp import clip_grad_norm_
-from shardlm.parallel.mesh import ParallelDims, shutdown_distributed
-from shardlm.trainer import build_model, build_model_config
-
-from _common import (LIBC, ROOT, MiB, PeakRSS, clear, du, gather, local_bytes, report, rss, say, settle,
-                     shared_tmpdir, slowest, state_tensors)
+from shardlm.train.optim import build_optimizer
+from shardlm.train.trainer import build_model, build_model_config
 
 RESULT = Path(__file__).resolve().parent / "results" / "fsdp1_vs_fsdp2_cpu.txt"
 MODEL = ["--model.preset=debug", "--model.dim=768", "--model.n_layers=6", "--model.ffn_dim=2048",

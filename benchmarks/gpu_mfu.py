@@ -33,6 +33,7 @@ import tempfile
 from pathlib import Path
 
 from _common import ROOT, report  # noqa: E402
+
 MODELS = {  # name: (preset, overrides)
     "llama3_1b": ("llama3_1b", {}),
     "llama3_8b (8 of 32 layers)": ("llama3_8b", {"model.n_layers": 8}),

@@ -57,15 +57,27 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from _common import (
+    ROOT,
+    MiB,
+    PeakRSS,
+    gather,
+    local_and_full_bytes,
+    local_bytes,
+    max_over_ranks,
+    report,
+    say,
+    settle,
+    shared_tmpdir,
+    statm,
+)
 from torch.distributed.tensor import DTensor
 
 from shardlm.config import load_config
-from shardlm.metrics import MetricsLogger
-from shardlm.parallel.mesh import ParallelDims, shutdown_distributed
-from shardlm.trainer import Trainer, build_model, build_model_config
-
-from _common import (ROOT, MiB, PeakRSS, gather, local_and_full_bytes, local_bytes, max_over_ranks, report, say,
-                     settle, shared_tmpdir, statm)
+from shardlm.distributed.env import shutdown_distributed
+from shardlm.observe.metrics import MetricsLogger
+from shardlm.parallel.dims import ParallelDims
+from shardlm.train.trainer import Trainer, build_model, build_model_config
 
 RESULT = Path(__file__).resolve().parent / "results" / "lora_cpu.txt"
 LORA_RANK, LORA_ALPHA = 16, 32
@@ -79,7 +91,7 @@ def make_hf_model(out: Path, n_layers: int) -> None:
     """The HF Llama, sharded safetensors (fp32), + demo tokenizer (vocab 512 < the model's 8192)."""
     import transformers
 
-    from shardlm.demo_assets import make_tokenizer
+    from shardlm.assets.debug_hf import make_tokenizer
 
     out.mkdir(parents=True)
     make_tokenizer(out)
@@ -98,7 +110,7 @@ def make_hf_model(out: Path, n_layers: int) -> None:
 
 def write_assets(d: Path, n_layers: int) -> None:
     """The HF model and the SFT data, into d (rank 0, before the others go on)."""
-    from shardlm.demo_assets import sft_pairs
+    from shardlm.assets.debug_hf import sft_pairs
 
     make_hf_model(d / "model", n_layers)
     (d / "sft.jsonl").write_text("".join(json.dumps(p) + "\n" for p in sft_pairs(SFT_PAIRS)))
@@ -163,7 +175,7 @@ def run(args, tmp: Path, rank: int, world: int, t_start: float) -> None:
     full_cfg = cfgs["full"]
     with contextlib.redirect_stdout(log):
         from shardlm.data import load_tokenizer
-        from shardlm.trainer import tokenizer_spec
+        from shardlm.train.trainer import tokenizer_spec
 
         tok = load_tokenizer(tokenizer_spec(full_cfg))
     mc = build_model_config(full_cfg, tok.vocab_size)

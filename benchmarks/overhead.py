@@ -54,17 +54,17 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from _common import ROOT, report, shared_tmpdir, write_corpus
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from shardlm.config import Config, load_config
 from shardlm.data import build_loader
-from shardlm.metrics import MetricsLogger
+from shardlm.distributed.env import shutdown_distributed
 from shardlm.models import Transformer
+from shardlm.observe.metrics import MetricsLogger
+from shardlm.parallel.dims import dp_rank
 from shardlm.parallel.fsdp import DTYPES, shard_view
-from shardlm.parallel.mesh import dp_rank, shutdown_distributed
-from shardlm.trainer import Trainer
-
-from _common import ROOT, report, shared_tmpdir, write_corpus
+from shardlm.train.trainer import Trainer
 
 CONFIG = ROOT / "configs" / "debug.toml"
 RESULT = Path(__file__).resolve().parent / "results" / "overhead_cpu.txt"

@@ -25,7 +25,8 @@ def _rank0() -> bool:
 
 
 def _train(args: list[str]) -> int:
-    from shardlm.config import ConfigError, describe, load_config
+    from shardlm.config import describe, load_config
+    from shardlm.errors import ConfigError
 
     if "-h" in args or "--help" in args:
         print("usage: shardlm train [--config FILE] [--section.key=value ...]\n\nconfig keys:\n" + describe())
@@ -41,7 +42,7 @@ def _train(args: list[str]) -> int:
         args = [a for a in args if not a.startswith("--config=")]
     cfg = load_config(config, args)
 
-    from shardlm.trainer import Trainer
+    from shardlm.train.trainer import Trainer
 
     trainer = None
     try:
@@ -51,7 +52,7 @@ def _train(args: list[str]) -> int:
         if trainer is not None:
             trainer.close()
         else:  # the Trainer failed part-way: still free the process group it may have joined
-            from shardlm.parallel.mesh import shutdown_distributed
+            from shardlm.distributed.env import shutdown_distributed
 
             shutdown_distributed()
     return 0
@@ -62,7 +63,7 @@ def _convert(args: list[str]) -> int:
     import json
     from pathlib import Path
 
-    from shardlm.config import ConfigError
+    from shardlm.errors import ConfigError
 
     ap = argparse.ArgumentParser(prog="shardlm convert", exit_on_error=False)
     sub = ap.add_subparsers(dest="direction", required=True)
@@ -118,11 +119,11 @@ def _convert(args: list[str]) -> int:
 def _make_debug_hf(args: list[str]) -> int:
     from pathlib import Path
 
-    from shardlm.config import ConfigError
+    from shardlm.errors import ConfigError
 
     if len(args) != 1:
         raise ConfigError("usage: shardlm make-debug-hf OUT_DIR")
-    from shardlm.demo_assets import make_debug_hf
+    from shardlm.assets.debug_hf import make_debug_hf
 
     model, data = make_debug_hf(Path(args[0]))
     print(f"wrote {model} (tiny HF llama + tokenizer) and {data} (SFT prompt/completion pairs)")
@@ -154,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
         print(USAGE)
         return 0 if argv else 2
     cmd, rest = argv[0], argv[1:]
-    from shardlm.config import ConfigError, ShardlmError
+    from shardlm.errors import ConfigError, ShardlmError
 
     try:
         if cmd == "train":

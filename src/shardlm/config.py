@@ -21,13 +21,7 @@ else:  # pragma: no cover
 
 import tomli_w
 
-
-class ShardlmError(Exception):
-    """A user-facing failure: the CLI prints its message as one line and exits non-zero."""
-
-
-class ConfigError(ShardlmError):
-    pass
+from shardlm.errors import ConfigError
 
 
 def _f(default: Any, doc: str, key: str | None = None) -> Any:

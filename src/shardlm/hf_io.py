@@ -41,9 +41,14 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from shardlm.config import ConfigError
+from shardlm.errors import ConfigError
 from shardlm.lora import is_lora_param, peft_adapter_config, to_peft_state_dict
-from shardlm.models.hf import config_from_hf, config_to_hf, expected_shapes, our_key_to_hf
+from shardlm.models.hf import (
+    config_from_hf,
+    config_to_hf,
+    expected_shapes,
+    our_key_to_hf,
+)
 from shardlm.models.llama import ModelConfig, RopeScaling
 
 INDEX_FILE = "model.safetensors.index.json"

@@ -74,8 +74,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from shardlm.config import Config, ConfigError, ShardlmError
+from shardlm.config import Config
 from shardlm.data.loader import IGNORE_INDEX
+from shardlm.errors import ConfigError, PlanError
 
 GIB = 1024**3
 DEFAULT_HEADROOM = 0.10
@@ -90,10 +91,6 @@ _GROUPS = {
     "comm": ("All Gather", "Reduce Scatter"),
 }
 _OFFLOADED = ("Sharded Param", "Sharded Grad", "OptState")
-
-
-class PlanError(ShardlmError):
-    pass
 
 
 def _gib(b: float) -> float:
@@ -363,7 +360,7 @@ def local_adamw(model, t) -> tuple[torch.optim.AdamW, list[tuple[torch.Tensor, t
     which on fake tensors costs seconds and grows with the square of the parameter count.
     Returns the optimizer and (DTensor parameter, its local shard) pairs.
     """
-    from shardlm.optim import build_optimizer
+    from shardlm.train.optim import build_optimizer
 
     ref = build_optimizer(model, t, torch.device("cuda"))
     pairs, groups = [], []
@@ -453,7 +450,7 @@ def _flat(snap: dict) -> dict[str, int]:
 
 
 def _model_config(cfg: Config):
-    from shardlm.trainer import build_model_config
+    from shardlm.train.trainer import build_model_config
 
     try:
         return build_model_config(cfg, 0)  # vocab 0: no tokenizer needed to plan
@@ -470,7 +467,7 @@ def _fake_step(cfg: Config, world_size: int, mc=None, phases: bool = False) -> _
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from shardlm.parallel.mesh import ParallelDims
+    from shardlm.parallel.dims import ParallelDims
 
     dims = ParallelDims(cfg.parallel.dp_replicate, cfg.parallel.dp_shard, world_size)
     mc = mc if mc is not None else _model_config(cfg)

@@ -31,7 +31,7 @@ def _entry(rank: int, world: int, port: int, fn: Callable, args: tuple, out: str
         Path(f"{out}.err{rank}").write_text(traceback.format_exc())
         raise
     finally:
-        from shardlm.parallel.mesh import shutdown_distributed
+        from shardlm.distributed.env import shutdown_distributed
 
         shutdown_distributed()  # destroy_process_group alone can leave gloo threads to abort at exit
     if rank == 0:

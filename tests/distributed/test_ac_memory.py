@@ -17,7 +17,6 @@ import dataclasses
 
 import pytest
 import torch
-
 from launch import run_ranks
 
 MB, SEQ = 4, 64
@@ -33,10 +32,11 @@ def _ac_worker(modes: tuple[str, ...]) -> dict:
     import torch.nn.functional as F
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 
+    from shardlm.distributed.env import init_distributed
     from shardlm.models import Transformer, get_preset
     from shardlm.parallel.ac import apply_ac
+    from shardlm.parallel.dims import ParallelDims
     from shardlm.parallel.fsdp import apply_fsdp, mp_policy, shard_view
-    from shardlm.parallel.mesh import ParallelDims, init_distributed
 
     env = init_distributed("cpu")
     mesh = ParallelDims(1, -1, env.world_size).build_mesh("cpu")

@@ -7,7 +7,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from launch import run_ranks
 
 STEPS, HALF = 12, 6
@@ -39,7 +38,7 @@ def train_then(runs: list[tuple[list[str], int | None]]) -> list[dict]:
     """Train each (config, stop_after) in turn on these ranks; losses by step, weights and optimizer
     checksums. `stop_after=k` stops a run after step k the way SIGTERM does (request -> save -> stop)."""
     from shardlm.config import load_config
-    from shardlm.trainer import Trainer
+    from shardlm.train.trainer import Trainer
 
     class StopAfter(Trainer):
         stop_after = None
@@ -127,9 +126,9 @@ def test_keep_last_prunes_but_never_the_newest(runs):
 
 def checkpoint_safety(tmp: str, corpus: str) -> dict:
     """One rank: partial saves are ignored and removed, pruning, bad resume paths, auto fallback."""
-    from shardlm.checkpoint import CheckpointError
     from shardlm.config import load_config
-    from shardlm.trainer import Trainer
+    from shardlm.errors import CheckpointError
+    from shardlm.train.trainer import Trainer
 
     tmp = Path(tmp)
     out = {}
@@ -193,7 +192,7 @@ def async_save_snapshots(tmp: str, corpus: str) -> dict:
     import torch.distributed.checkpoint.filesystem as fs
 
     from shardlm.config import load_config
-    from shardlm.trainer import Trainer
+    from shardlm.train.trainer import Trainer
 
     real_write = fs._FileSystemWriter.write_data
 

@@ -12,7 +12,6 @@ arithmetic, so its losses match within 1e-5.
 from __future__ import annotations
 
 import pytest
-
 from launch import run_ranks
 
 STEPS = 4
@@ -32,7 +31,7 @@ def compile_runs(runs: dict[str, list[str]]) -> dict[str, dict]:
     from torch._dynamo.utils import counters
 
     from shardlm.config import load_config
-    from shardlm.trainer import Trainer
+    from shardlm.train.trainer import Trainer
 
     out = {}
     for tag, overrides in runs.items():
@@ -88,9 +87,9 @@ def test_inductor_matches_eager(results):
 def test_unknown_backend_is_a_config_error():
     import torch
 
-    from shardlm.config import ConfigError
+    from shardlm.errors import ConfigError
     from shardlm.models import ModelConfig, Transformer
-    from shardlm.parallel.fsdp import apply_compile
+    from shardlm.parallel.compile import apply_compile
 
     with torch.device("meta"):
         model = Transformer(ModelConfig(dim=64, n_layers=1, n_heads=4, n_kv_heads=4, ffn_dim=128, vocab_size=32))

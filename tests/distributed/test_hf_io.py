@@ -24,7 +24,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from hf_tiny import tiny_hf_model
 from launch import run_ranks
 
@@ -167,13 +166,16 @@ def _ranks_load_and_save(cases: dict) -> dict:
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from safetensors import safe_open
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        set_model_state_dict,
+    )
     from torch.distributed.device_mesh import init_device_mesh
 
     from shardlm import hf_io
+    from shardlm.distributed.env import init_distributed
     from shardlm.models.llama import Transformer
     from shardlm.parallel.fsdp import apply_fsdp, mp_policy, shard_view
-    from shardlm.parallel.mesh import init_distributed
 
     env = init_distributed("cpu")
     mesh = init_device_mesh("cpu", (env.world_size,), mesh_dim_names=("dp_shard",))
@@ -361,7 +363,7 @@ def _plain_model(hf_dir):
 
 
 def test_bad_hf_folders_are_config_errors(world, tmp_path):
-    from shardlm.config import ConfigError
+    from shardlm.errors import ConfigError
     from shardlm.hf_io import import_hf_to_dcp, load_hf_weights, read_hf_config
 
     src = Path(world["cases"]["llama"]["hf_dir"])
@@ -428,7 +430,7 @@ def test_tied_folder_with_only_the_head(world, tmp_path):
 
 
 def test_export_errors(world, tmp_path):
-    from shardlm.config import ConfigError
+    from shardlm.errors import ConfigError
     from shardlm.hf_io import export_hf
 
     with pytest.raises(ConfigError, match="no model_config.json"):
@@ -444,7 +446,7 @@ def test_export_errors(world, tmp_path):
 def test_lora_merge_and_peft_adapter(world, tmp_path):
     import torch.distributed.checkpoint as dcp
 
-    from shardlm.config import ConfigError
+    from shardlm.errors import ConfigError
     from shardlm.hf_io import export_hf, export_peft_adapter, load_hf_weights
     from shardlm.lora import apply_lora
 

@@ -28,7 +28,6 @@ number is the one to expect.
 from __future__ import annotations
 
 import pytest
-
 from launch import run_ranks
 
 TOL = 0.15
@@ -63,12 +62,13 @@ def _real_worker(cases: dict) -> dict:
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 
     from shardlm.data.loader import IGNORE_INDEX
+    from shardlm.distributed.env import init_distributed
     from shardlm.models import Transformer
-    from shardlm.optim import build_optimizer
     from shardlm.parallel.ac import apply_ac
+    from shardlm.parallel.dims import ParallelDims
     from shardlm.parallel.fsdp import apply_fsdp, clip_grad_norm_, mp_policy, shard_view
-    from shardlm.parallel.mesh import ParallelDims, init_distributed
-    from shardlm.trainer import build_model_config
+    from shardlm.train.optim import build_optimizer
+    from shardlm.train.trainer import build_model_config
 
     env = init_distributed("cpu")
     out = {}

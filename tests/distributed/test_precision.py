@@ -5,7 +5,6 @@ and leaves the parameters on the CPU."""
 from __future__ import annotations
 
 import pytest
-
 from launch import run_ranks
 
 STEPS = 10
@@ -25,7 +24,7 @@ def precision_runs(runs: dict[str, list[str]]) -> dict[str, dict]:
     from torch.distributed.tensor import DTensor
 
     from shardlm.config import load_config
-    from shardlm.trainer import Trainer
+    from shardlm.train.trainer import Trainer
 
     calls = {"mm": 0}
     try:
@@ -101,8 +100,8 @@ def test_fp8_without_fp8_hardware_is_a_clear_error(tmp_path, corpus):
     pytest.importorskip("torchao")
     import torch
 
-    from shardlm.config import ConfigError
-    from shardlm.parallel.fp8 import check_fp8_hardware
+    from shardlm.errors import ConfigError
+    from shardlm.quant.fp8 import check_fp8_hardware
 
     with pytest.raises(ConfigError, match="needs FP8 matmuls .* set train.fp8_emulate=true"):
         check_fp8_hardware(torch.device("cpu"), emulate=False)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from launch import run_ranks
 
 STEPS = 10
@@ -26,7 +25,7 @@ def train_runs(runs: dict[str, list[str]]) -> dict[str, dict]:
     """Train each config in turn on the current ranks; per run: losses, grad norms, a weight checksum."""
     from shardlm.config import load_config
     from shardlm.models import Transformer
-    from shardlm.trainer import Trainer
+    from shardlm.train.trainer import Trainer
 
     out = {}
     for tag, overrides in runs.items():

@@ -10,7 +10,6 @@ import os
 from pathlib import Path
 
 import pytest
-
 from launch import run_ranks
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="reads thread names from /proc")
@@ -26,7 +25,7 @@ def _gloo(names: list[str]) -> list[str]:
 
 def _train_and_close(overrides: list[str]) -> dict:
     from shardlm.config import load_config
-    from shardlm.trainer import Trainer
+    from shardlm.train.trainer import Trainer
 
     t = Trainer(load_config(None, overrides))
     t.train()
@@ -39,7 +38,7 @@ def _mesh_only() -> dict:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from shardlm.parallel.mesh import shutdown_distributed
+    from shardlm.distributed.env import shutdown_distributed
 
     dist.init_process_group("gloo")
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp_shard",))

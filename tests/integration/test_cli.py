@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from shardlm.config import load_config
-from shardlm.metrics import FIELDS
+from shardlm.observe.metrics import FIELDS
 
 ROOT = Path(__file__).resolve().parents[2]
 DEBUG = str(ROOT / "configs" / "debug.toml")

@@ -2,9 +2,10 @@ from __future__ import annotations
 
 import pytest
 
-from shardlm.config import Config, ConfigError, describe, load_config, parse_overrides
+from shardlm.config import Config, describe, load_config, parse_overrides
+from shardlm.errors import ConfigError
 from shardlm.models import PRESETS
-from shardlm.trainer import build_model_config
+from shardlm.train.trainer import build_model_config
 
 
 def test_defaults_toml_and_overrides_compose(tmp_path):

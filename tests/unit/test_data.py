@@ -5,10 +5,10 @@ import json
 import numpy as np
 import pytest
 
-from shardlm.config import ConfigError
 from shardlm.data import PackedLoader, build_loader, load_tokenizer, resolve_files
 from shardlm.data.sources import builtin_files, iter_documents
 from shardlm.data.tokenizer import ByteTokenizer
+from shardlm.errors import ConfigError
 
 
 def test_builtin_corpus_is_the_stdlib():

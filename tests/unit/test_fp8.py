@@ -11,7 +11,7 @@ import torch
 pytest.importorskip("torchao")
 
 from shardlm.models import ModelConfig, Transformer  # noqa: E402
-from shardlm.parallel.fp8 import apply_fp8, fp8_all_gather  # noqa: E402
+from shardlm.quant.fp8 import apply_fp8, fp8_all_gather  # noqa: E402
 
 
 def test_float8_all_gather_only_for_tensorwise_on_cuda():

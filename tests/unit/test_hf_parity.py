@@ -9,6 +9,8 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from hf_tiny import tiny_hf_model  # noqa: E402
+
 from shardlm.models.hf import (  # noqa: E402
     config_from_hf,
     config_to_hf,
@@ -19,8 +21,6 @@ from shardlm.models.hf import (  # noqa: E402
 )
 from shardlm.models.llama import ModelConfig, RopeScaling, Transformer, rope_inv_freq  # noqa: E402
 from shardlm.models.presets import PRESETS  # noqa: E402
-
-from hf_tiny import tiny_hf_model  # noqa: E402
 
 TINY = dict(
     hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,

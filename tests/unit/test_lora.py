@@ -10,6 +10,7 @@ from torch import nn
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
+from hf_tiny import tiny_hf_model  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
 from shardlm.config import TrainSection  # noqa: E402
@@ -25,11 +26,13 @@ from shardlm.lora import (  # noqa: E402
     peft_adapter_config,
     to_peft_state_dict,
 )
-from shardlm.models.hf import config_from_hf, hf_state_dict_to_ours, our_state_dict_to_hf  # noqa: E402
+from shardlm.models.hf import (  # noqa: E402
+    config_from_hf,
+    hf_state_dict_to_ours,
+    our_state_dict_to_hf,
+)
 from shardlm.models.llama import ModelConfig, Transformer  # noqa: E402
-from shardlm.optim import build_optimizer  # noqa: E402
-
-from hf_tiny import tiny_hf_model  # noqa: E402
+from shardlm.train.optim import build_optimizer  # noqa: E402
 
 R, ALPHA = 4, 8
 TINY = dict(

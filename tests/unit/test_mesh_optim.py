@@ -3,9 +3,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shardlm.config import ConfigError, load_config
-from shardlm.optim import build_lr_scheduler, lr_factor
-from shardlm.parallel.mesh import ParallelDims
+from shardlm.config import load_config
+from shardlm.errors import ConfigError
+from shardlm.parallel.dims import ParallelDims
+from shardlm.train.optim import build_lr_scheduler, lr_factor
 
 
 def test_parallel_dims_fill_and_validate():

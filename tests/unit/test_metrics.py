@@ -8,8 +8,8 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
-from shardlm.metrics import FIELDS, MetricsLogger, Throughput, peak_flops
 from shardlm.models import PRESETS, ModelConfig, Transformer
+from shardlm.observe.metrics import FIELDS, MetricsLogger, Throughput, peak_flops
 
 
 @pytest.mark.parametrize("tie", [False, True])

@@ -16,7 +16,8 @@ import pytest
 import torch.distributed as dist
 
 from shardlm.config import load_config
-from shardlm.plan import GIB, Breakdown, PlanError, plan, plan_command
+from shardlm.errors import PlanError
+from shardlm.plan import GIB, Breakdown, plan, plan_command
 
 
 def _cfg(*overrides: str, ac: str | None = None):

@@ -6,10 +6,16 @@ import re
 import numpy as np
 import pytest
 
-from shardlm.config import ConfigError
 from shardlm.data.loader import IGNORE_INDEX
-from shardlm.data.sft import ChatTemplate, PlainTemplate, SFTLoader, build_sft_loader, pack_best_fit
+from shardlm.data.sft import (
+    ChatTemplate,
+    PlainTemplate,
+    SFTLoader,
+    build_sft_loader,
+    pack_best_fit,
+)
 from shardlm.data.tokenizer import ByteTokenizer, load_tokenizer
+from shardlm.errors import ConfigError
 
 CHATML = (
     "{{ bos_token }}"

@@ -18,9 +18,9 @@ from typing import Callable
 import numpy as np
 import torch
 
-from shardlm.config import ConfigError
 from shardlm.data.sources import iter_documents
 from shardlm.data.tokenizer import ByteTokenizer, Tokenizer
+from shardlm.errors import ConfigError
 
 IGNORE_INDEX = -100
 _ENCODE_BATCH = 256

@@ -62,9 +62,9 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 import torch
 
-from shardlm.config import ConfigError
 from shardlm.data.loader import IGNORE_INDEX, GlobalSampleOrder
 from shardlm.data.tokenizer import _EOS_CANDIDATES, ByteTokenizer
+from shardlm.errors import ConfigError
 
 ROLES = ("system", "user", "assistant")
 SHAPES = ('{"messages": [{"role": "system"|"user"|"assistant", "content": str}, ...]}, '

@@ -10,7 +10,7 @@ import sysconfig
 from pathlib import Path
 from typing import Iterator
 
-from shardlm.config import ConfigError
+from shardlm.errors import ConfigError
 
 BUILTIN = "builtin:stdlib"
 SUFFIXES = (".txt", ".jsonl")

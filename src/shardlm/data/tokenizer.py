@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
-from shardlm.config import ConfigError
+from shardlm.errors import ConfigError
 
 _EOS_CANDIDATES = ("<|end_of_text|>", "<|endoftext|>", "<|im_end|>", "</s>", "<eos>", "<|eot_id|>")
 

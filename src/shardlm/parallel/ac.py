@@ -50,7 +50,10 @@ def _sac_save_ops() -> set:
 
 def _sac_context_fn() -> Callable[[], Any]:
     try:
-        from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+        from torch.utils.checkpoint import (
+            CheckpointPolicy,
+            create_selective_checkpoint_contexts,
+        )
     except ImportError as e:  # pragma: no cover - present since torch 2.4/2.5
         raise RuntimeError("train.ac=selective_op needs torch.utils.checkpoint.create_selective_checkpoint_contexts "
                            "(torch >= 2.5); use ac=full or ac=selective") from e

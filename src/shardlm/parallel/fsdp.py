@@ -5,7 +5,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    FSDPModule,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    fully_shard,
+)
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
@@ -35,25 +41,6 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, mp: MixedPrecisionPolicy,
                     reshard_after_forward=reshard_after_forward and i < len(blocks) - 1)
     fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=offload, reshard_after_forward=reshard_after_forward)
     return model  # type: ignore[return-value]
-
-
-def apply_compile(model: nn.Module, backend: str = "inductor") -> None:
-    """torch.compile each block in place, before `fully_shard` (as torchtitan does).
-
-    `Module.compile` keeps parameter names (no `_orig_mod.` prefix: checkpoints, LoRA and HF names
-    are unchanged). FSDP2's hooks are not traced (dynamo's `skip_fsdp_hooks`): all-gather and
-    reduce-scatter run eagerly around each compiled block. The blocks share one compiled graph
-    (parameters are graph inputs), so depth does not multiply compile time.
-    """
-    import torch._dynamo
-
-    if backend not in torch._dynamo.list_backends(exclude_tags=()):
-        from shardlm.config import ConfigError
-
-        raise ConfigError(f"train.compile_backend={backend!r} is not a torch.compile backend; use one of "
-                          f"{', '.join(sorted({*torch._dynamo.list_backends(), 'aot_eager', 'eager'}))}")
-    for block in model.layers:
-        block.compile(backend=backend)
 
 
 def shard_view(p: torch.Tensor) -> tuple[torch.Tensor, int]:

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from shardlm.config import ConfigError
+from shardlm.errors import ConfigError
 
 # Dense bf16 tensor-core peak per GPU, FLOP/s (vendor datasheets, no sparsity).
 PEAK_BF16_FLOPS = {

@@ -14,7 +14,7 @@ import dataclasses
 import torch
 from torch import nn
 
-from shardlm.config import ConfigError
+from shardlm.errors import ConfigError
 
 
 def _torchao():

@@ -26,17 +26,18 @@ from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.planner import ReadItem
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
-                                                     set_state_dict)
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
 
-from shardlm.config import CheckpointSection, ShardlmError
+from shardlm.config import CheckpointSection
+from shardlm.errors import CheckpointError
 
 _STEP_RE = re.compile(r"^step-(\d+)$")
 METADATA = ".metadata"
-
-
-class CheckpointError(ShardlmError):
-    pass
 
 
 def step_of(path: Path) -> int | None:

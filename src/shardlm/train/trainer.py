@@ -5,10 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
-import signal
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -17,21 +14,30 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from shardlm.checkpoint import Checkpointer
-from shardlm.config import Config, ConfigError, ShardlmError
+from shardlm.config import Config
 from shardlm.data import build_loader, load_tokenizer, resolve_files
 from shardlm.data.loader import IGNORE_INDEX, default_cache_dir
+from shardlm.distributed.env import (
+    init_distributed,
+    launched_world_size,
+    restart_store_warning,
+    shutdown_distributed,
+)
+from shardlm.errors import ConfigError, TrainingError
 from shardlm.generate import generate
-from shardlm.metrics import MetricsLogger, Throughput, memory_gib, peak_flops
 from shardlm.models import ModelConfig, Transformer, get_preset
-from shardlm.optim import build_lr_scheduler, build_optimizer
-from shardlm.parallel.fp8 import apply_fp8, check_fp8_hardware, fp8_all_gather, precompute_fp8_scales
-from shardlm.parallel.fsdp import apply_compile, apply_fsdp, clip_grad_norm_, mp_policy, shard_view
-from shardlm.parallel.mesh import (ParallelDims, dp_rank, init_distributed, launched_world_size,
-                                   restart_store_warning, shutdown_distributed)
-
-
-class TrainingError(ShardlmError):
-    pass
+from shardlm.observe.metrics import MetricsLogger, Throughput, memory_gib, peak_flops
+from shardlm.parallel.compile import apply_compile
+from shardlm.parallel.dims import ParallelDims, dp_rank
+from shardlm.parallel.fsdp import apply_fsdp, clip_grad_norm_, mp_policy, shard_view
+from shardlm.quant.fp8 import (
+    apply_fp8,
+    check_fp8_hardware,
+    fp8_all_gather,
+    precompute_fp8_scales,
+)
+from shardlm.train.optim import build_lr_scheduler, build_optimizer
+from shardlm.train.preemption import Preemption
 
 
 def hf_dir(cfg: Config) -> Path | None:
@@ -157,34 +163,6 @@ def prepare_metrics_file(out: Path, resumed_step: int | None) -> None:
         return
     keep = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= resumed_step]
     path.write_text("".join(line + "\n" for line in keep))
-
-
-class Preemption:
-    """SIGTERM (SLURM, Kubernetes, torchrun) -> finish the step, save, exit 0, within a grace period."""
-
-    def __init__(self, grace_s: float, log):
-        self.grace_s, self.log, self.requested = grace_s, log, False
-        self._old = None
-        if threading.current_thread() is threading.main_thread():
-            self._old = signal.signal(signal.SIGTERM, self._handle)
-
-    def uninstall(self) -> None:
-        if self._old is not None:
-            signal.signal(signal.SIGTERM, self._old)
-            self._old = None
-
-    def _handle(self, signum, frame) -> None:
-        if self.requested:
-            return
-        self.requested = True
-        timer = threading.Timer(self.grace_s, self._give_up)
-        timer.daemon = True
-        timer.start()
-
-    def _give_up(self) -> None:
-        self.log(f"preemption: no checkpoint within checkpoint.preempt_grace_s={self.grace_s}s; exiting, "
-                 "the last complete checkpoint stands")
-        os._exit(1)
 
 
 class Trainer:

@@ -1,0 +1,54 @@
+"""The error types (a leaf module: imports nothing from shardlm). Each maps to one exit code.
+
+The CLI prints a `ShardlmError` as one line (`shardlm: error: ...`) and exits with its `exit_code`;
+anything else is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+
+class ShardlmError(Exception):
+    """A user-facing failure: one line that names the problem and the fix."""
+
+    exit_code = 1
+
+
+class ConfigError(ShardlmError):
+    """A config key, value, command-line argument or file named in the config is wrong."""
+
+    exit_code = 2
+
+
+class DataError(ShardlmError):
+    """The training data (or its tokenizer) cannot be read or is unusable: empty, malformed, too short."""
+
+    exit_code = 4
+
+
+class CheckpointError(ShardlmError):
+    """A checkpoint is missing, incomplete, unreadable or does not match the run."""
+
+    exit_code = 5
+
+
+class TrainingError(ShardlmError):
+    """Training went wrong at run time: a non-finite loss or gradient norm, too many skipped steps."""
+
+    exit_code = 6
+
+
+class PlanError(ShardlmError):
+    """The planner cannot run here (e.g. inside a process group)."""
+
+    exit_code = 7
+
+
+PLAN_DOES_NOT_FIT = 3  # `shardlm plan`'s exit code when the config does not fit (not an error)
+
+EXIT_CODES = {0: "success (`shardlm plan`: the config fits)", 1: "other shardlm error",
+              ConfigError.exit_code: "bad config, argument or input file",
+              PLAN_DOES_NOT_FIT: "`shardlm plan`: the config does not fit",
+              DataError.exit_code: "unusable training data or tokenizer",
+              CheckpointError.exit_code: "checkpoint missing, incomplete, unreadable or mismatched",
+              TrainingError.exit_code: "non-finite loss/gradients (train.nonfinite) or too many skipped steps",
+              PlanError.exit_code: "the planner cannot run here", 130: "interrupted (Ctrl-C)"}
