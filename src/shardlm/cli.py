@@ -173,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
         raise ConfigError(f"unknown command {cmd!r}; commands: train, plan, convert, make-debug-hf, presets")
     except ShardlmError as e:
         _report(f"shardlm: error: {e}")
-        return 2 if isinstance(e, ConfigError) else 1
+        return e.exit_code
     except KeyboardInterrupt:
         return 130
 
