@@ -102,7 +102,7 @@ from shardlm.models.llama import Block
 from shardlm.parallel.dims import ParallelDims
 from shardlm.parallel.fsdp import clip_grad_norm_
 from shardlm.train.optim import build_optimizer
-from shardlm.train.trainer import build_model, build_model_config
+from shardlm.build import build_model, build_model_config
 
 RESULT = Path(__file__).resolve().parent / "results" / "fsdp1_vs_fsdp2_cpu.txt"
 MODEL = ["--model.preset=debug", "--model.dim=768", "--model.n_layers=6", "--model.ffn_dim=2048",
@@ -205,7 +205,7 @@ class FSDP2Setup(Setup):
         if lora:
             cfg = load_config(None, CFG_ARGS + [f"--lora.rank={LORA_RANK}", f"--lora.alpha={LORA_ALPHA}"])
         self.cfg = cfg
-        self.model = build_model(mc, mesh, cfg, torch.device("cpu"))
+        self.model = build_model(cfg, mc, mesh, torch.device("cpu"))
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = build_optimizer(self.model, cfg.train, torch.device("cpu"))
 

@@ -77,7 +77,8 @@ from shardlm.config import load_config
 from shardlm.distributed.env import shutdown_distributed
 from shardlm.observe.metrics import MetricsLogger
 from shardlm.parallel.dims import ParallelDims
-from shardlm.train.trainer import Trainer, build_model, build_model_config
+from shardlm.build import build_model, build_model_config
+from shardlm.train.trainer import Trainer
 
 RESULT = Path(__file__).resolve().parent / "results" / "lora_cpu.txt"
 LORA_RANK, LORA_ALPHA = 16, 32
@@ -175,15 +176,14 @@ def run(args, tmp: Path, rank: int, world: int, t_start: float) -> None:
     full_cfg = cfgs["full"]
     with contextlib.redirect_stdout(log):
         from shardlm.data import load_tokenizer
-        from shardlm.train.trainer import tokenizer_spec
 
-        tok = load_tokenizer(tokenizer_spec(full_cfg))
+        tok = load_tokenizer(full_cfg.tokenizer_spec())
     mc = build_model_config(full_cfg, tok.vocab_size)
     mesh = ParallelDims(1, -1, world).build_mesh("cpu")
     device = torch.device("cpu")
 
     def load_shardlm():
-        return build_model(mc, mesh, full_cfg, device)
+        return build_model(full_cfg, mc, mesh, device)
 
     def load_hf():
         return transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)

@@ -48,6 +48,11 @@ class ModelSection:
     ffn_dim: int | None = _f(None, "Override the preset's SwiGLU hidden size.")
     vocab_size: int | None = _f(None, "Override the preset's vocabulary size.")
 
+    @property
+    def hf_dir(self) -> Path | None:
+        """The folder model.init_from names (`hf:/path`), or None for a random init."""
+        return Path(self.init_from[len("hf:"):]) if self.init_from else None
+
 
 @dataclass
 class LoraSection:
@@ -77,7 +82,12 @@ class TrainSection:
     output_dir: str = _f("runs/default", "Where config.toml, metrics.jsonl and checkpoints go.")
     seed: int = _f(0, "Seed for initialisation, data order and sampling; runs are deterministic on CPU.")
     micro_batch_size: int = _f(8, "Sequences per rank per micro-batch.")
-    grad_accum: int = _f(1, "Micro-batches per optimizer step (gradients reduced on the last only).")
+    grad_accum: int = _f(1, "Micro-batches per optimizer step (see train.grad_sync for when gradients are reduced).")
+    grad_sync: Literal["micro_batch", "step"] = _f(
+        "micro_batch", "With train.grad_accum > 1: micro_batch = reduce-scatter after every micro-batch, so gradients "
+        "stay sharded and memory does not depend on grad_accum (HSDP defers only the cross-replica all-reduce to the "
+        "last micro-batch); step = no gradient collective before the last micro-batch: less traffic, but every rank "
+        "holds the unsharded gradients of every trainable parameter.")
     mixed_precision: Literal["bf16", "fp32", "fp8"] = _f(
         "bf16", "bf16: bf16 params/compute with fp32 master weights and optimizer state; fp32: all fp32; "
         "fp8: bf16 plus torchao float8 linears (needs the [fp8] extra and an FP8-capable GPU).")
@@ -103,6 +113,11 @@ class TrainSection:
     beta2: float = _f(0.95, "AdamW beta2.")
     eps: float = _f(1e-8, "AdamW epsilon.")
     grad_clip: float = _f(1.0, "Clip the global gradient norm to this value; 0 disables clipping.")
+    nonfinite: Literal["stop", "skip"] = _f(
+        "stop", "Checked every step on every rank, before the optimizer step: a NaN/inf loss or gradient norm. "
+        "stop = exit (code 6) naming the step, the rank(s) and what went bad, the last checkpoint intact; "
+        "skip = drop that update (optimizer and schedule unchanged; the batch is consumed) and go on.")
+    max_skipped_steps: int = _f(10, "With train.nonfinite=skip: stop after this many non-finite steps in a row.")
     device: Literal["auto", "cpu", "cuda"] = _f("auto", "auto = cuda when available (NCCL), else cpu (gloo).")
     sample_tokens: int = _f(0, "After training, generate this many tokens from train.sample_prompt and print them.")
     sample_prompt: str = _f("def ", "Prompt for the end-of-training sample.")
@@ -166,6 +181,13 @@ class Config:
 
     def to_toml(self) -> str:
         return tomli_w.dumps(self.to_dict())
+
+    def tokenizer_spec(self) -> str:
+        """data.tokenizer with `auto` resolved: the HF model's own tokenizer when there is one, else bytes."""
+        if self.data.tokenizer != "auto":
+            return self.data.tokenizer
+        d = self.model.hf_dir
+        return str(d) if d is not None and (d / "tokenizer.json").is_file() else "bytes"
 
 
 # -- parsing -------------------------------------------------------------------------------------
@@ -301,7 +323,8 @@ def validate(cfg: Config) -> None:
     t, d, p, m = cfg.train, cfg.data, cfg.parallel, cfg.metrics
     positive = {"train.steps": t.steps, "train.micro_batch_size": t.micro_batch_size,
                 "train.grad_accum": t.grad_accum, "data.seq_len": d.seq_len, "metrics.log_every": m.log_every,
-                "parallel.dp_replicate": p.dp_replicate, "train.ac_every": t.ac_every}
+                "parallel.dp_replicate": p.dp_replicate, "train.ac_every": t.ac_every,
+                "train.max_skipped_steps": t.max_skipped_steps}
     for key, v in positive.items():
         if v < 1:
             raise ConfigError(f"{key} must be >= 1, got {v}")

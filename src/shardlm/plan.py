@@ -450,7 +450,7 @@ def _flat(snap: dict) -> dict[str, int]:
 
 
 def _model_config(cfg: Config):
-    from shardlm.train.trainer import build_model_config
+    from shardlm.build import build_model_config
 
     try:
         return build_model_config(cfg, 0)  # vocab 0: no tokenizer needed to plan

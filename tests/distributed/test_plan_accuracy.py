@@ -68,7 +68,7 @@ def _real_worker(cases: dict) -> dict:
     from shardlm.parallel.dims import ParallelDims
     from shardlm.parallel.fsdp import apply_fsdp, clip_grad_norm_, mp_policy, shard_view
     from shardlm.train.optim import build_optimizer
-    from shardlm.train.trainer import build_model_config
+    from shardlm.build import build_model_config
 
     env = init_distributed("cpu")
     out = {}

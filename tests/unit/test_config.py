@@ -5,7 +5,7 @@ import pytest
 from shardlm.config import Config, describe, load_config, parse_overrides
 from shardlm.errors import ConfigError
 from shardlm.models import PRESETS
-from shardlm.train.trainer import build_model_config
+from shardlm.build import build_model_config
 
 
 def test_defaults_toml_and_overrides_compose(tmp_path):

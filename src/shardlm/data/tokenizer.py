@@ -16,6 +16,7 @@ class ByteTokenizer:
     vocab_size = 257
     eos_id = 256
     fingerprint = "bytes-v1"
+    directory = None  # no files (an HF tokenizer's folder holds its chat template and config)
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
@@ -41,6 +42,7 @@ class HFTokenizer:
             raise ConfigError(f"tokenizer {str(path)!r} has none of the end-of-text tokens {', '.join(_EOS_CANDIDATES)}")
         self.eos_id = eos
         self.fingerprint = "hf-" + hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+        self.directory = path.parent  # tokenizer_config.json (chat template) and friends live here
 
     def encode(self, text: str) -> list[int]:
         return self.tok.encode(text, add_special_tokens=False).ids

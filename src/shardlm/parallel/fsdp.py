@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import (
@@ -53,12 +56,28 @@ def shard_view(p: torch.Tensor) -> tuple[torch.Tensor, int]:
 
 
 @torch.no_grad()
-def clip_grad_norm_(params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
-    """Global L2 norm of the (sharded) gradients, clipping them to `max_norm` when it is > 0."""
+def clip_grad_norm_(params: list[nn.Parameter], max_norm: float, flag: torch.Tensor | None = None) -> torch.Tensor:
+    """Global L2 norm of the (sharded) gradients in ONE all-reduce, clipping them to `max_norm` when > 0.
+
+    Each rank squares the norm of its local shards; the sum over all ranks, divided by the number
+    of replicas of each shard (HSDP), is the squared global norm. `flag` (the trainer passes its
+    local loss sum) rides on the same all-reduce as `flag * 0`: a NaN or inf on any rank makes the
+    norm NaN on every rank, so the non-finite guard needs no collective of its own.
+    """
     grads = [p.grad for p in params if p.grad is not None]
-    norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
-    if isinstance(norm, DTensor):  # partial sums over the shards -> one all-reduce
-        norm = norm.full_tensor()
-    if max_norm > 0:
-        torch.nn.utils.clip_grads_with_norm_(grads, max_norm, norm, foreach=True)
+    local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+    device = local[0].device if local else (flag.device if flag is not None else torch.device("cpu"))
+    sq = torch.nn.utils.get_total_norm(local, norm_type=2.0, foreach=True).to(torch.float32) ** 2 if local \
+        else torch.zeros((), device=device)
+    if flag is not None:
+        sq = sq + flag.to(sq.device) * 0
+    sharded = next((g for g in grads if isinstance(g, DTensor)), None)
+    if sharded is not None and dist.is_initialized():
+        dist.all_reduce(sq)
+        replicas = math.prod(sharded.device_mesh.size(i) for i, pl in enumerate(sharded.placements)
+                             if pl.is_replicate())
+        sq = sq / replicas
+    norm = sq.sqrt()
+    if max_norm > 0 and local:
+        torch.nn.utils.clip_grads_with_norm_(local, max_norm, norm, foreach=True)
     return norm

@@ -7,121 +7,29 @@ import json
 import math
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 
+from shardlm.build import build_model, build_model_config, uses_fp8_all_gather
 from shardlm.checkpoint import Checkpointer
 from shardlm.config import Config
 from shardlm.data import build_loader, load_tokenizer, resolve_files
 from shardlm.data.loader import IGNORE_INDEX, default_cache_dir
-from shardlm.distributed.env import (
-    init_distributed,
-    launched_world_size,
-    restart_store_warning,
-    shutdown_distributed,
-)
+from shardlm.distributed.env import init_distributed, launched_world_size, restart_store_warning, shutdown_distributed
 from shardlm.errors import ConfigError, TrainingError
 from shardlm.generate import generate
-from shardlm.models import ModelConfig, Transformer, get_preset
+from shardlm.models import ModelConfig
 from shardlm.observe.metrics import MetricsLogger, Throughput, memory_gib, peak_flops
-from shardlm.parallel.compile import apply_compile
 from shardlm.parallel.dims import ParallelDims, dp_rank
-from shardlm.parallel.fsdp import apply_fsdp, clip_grad_norm_, mp_policy, shard_view
-from shardlm.quant.fp8 import (
-    apply_fp8,
-    check_fp8_hardware,
-    fp8_all_gather,
-    precompute_fp8_scales,
-)
+from shardlm.parallel.fsdp import clip_grad_norm_
+from shardlm.quant.fp8 import precompute_fp8_scales
 from shardlm.train.optim import build_lr_scheduler, build_optimizer
 from shardlm.train.preemption import Preemption
-
-
-def hf_dir(cfg: Config) -> Path | None:
-    """The directory model.init_from names (`hf:/path`), or None for a random init."""
-    return Path(cfg.model.init_from[3:]) if cfg.model.init_from else None
-
-
-def tokenizer_spec(cfg: Config) -> str:
-    """data.tokenizer with `auto` resolved: the HF model's own tokenizer when there is one, else bytes."""
-    if cfg.data.tokenizer != "auto":
-        return cfg.data.tokenizer
-    d = hf_dir(cfg)
-    return str(d) if d is not None and (d / "tokenizer.json").is_file() else "bytes"
-
-
-def build_model_config(cfg: Config, tokenizer_vocab: int) -> ModelConfig:
-    """The preset, with any model.* overrides, its RoPE table sized to data.seq_len."""
-    overrides = {k: v for k, v in dataclasses.asdict(cfg.model).items()
-                 if k not in ("preset", "init_from") and v is not None}
-    if hf_dir(cfg) is not None:
-        from shardlm.hf_io import read_hf_config
-
-        if overrides:
-            raise ConfigError(f"model.{next(iter(overrides))} cannot change the shape of a model loaded with "
-                              "model.init_from; drop the override")
-        base, _ = read_hf_config(hf_dir(cfg))
-    else:
-        try:
-            base = get_preset(cfg.model.preset)
-        except KeyError as e:
-            raise ConfigError(f"model.preset: {e.args[0]}") from None
-    if ({"dim", "n_heads"} & overrides.keys()) and base.head_dim == base.dim // base.n_heads:
-        overrides["head_dim"] = None  # derived, not set by the preset: derive it again (Qwen3's stays)
-    if "n_heads" in overrides and "n_kv_heads" not in overrides and base.n_kv_heads == base.n_heads:
-        overrides["n_kv_heads"] = None  # plain MHA stays MHA
-    try:
-        mc = dataclasses.replace(base, **overrides, max_seq_len=cfg.data.seq_len)
-    except ValueError as e:
-        raise ConfigError(f"model: {e}") from None
-    if tokenizer_vocab > mc.vocab_size:
-        raise ConfigError(f"the tokenizer has {tokenizer_vocab} tokens but the model's vocab_size is {mc.vocab_size}; "
-                          f"set --model.vocab_size={tokenizer_vocab} or use a matching tokenizer")
-    return mc
-
-
-def build_model(mc: ModelConfig, mesh, cfg: Config, device: torch.device) -> Transformer:
-    """Meta-device build -> LoRA/freeze -> AC -> compile -> fully_shard -> to_empty -> init or HF load.
-
-    No rank ever holds the whole model: each materialises and fills only its own shards.
-    """
-    t, lo = cfg.train, cfg.lora
-    with torch.device("meta"):
-        model = Transformer(mc)
-    if lo.rank > 0:
-        from shardlm.lora import apply_lora
-
-        try:
-            apply_lora(model, lo.rank, lo.alpha, lo.dropout, lo.targets, train_embeddings=lo.train_embeddings,
-                       train_norms=lo.train_norms)
-        except ValueError as e:
-            raise ConfigError(f"lora.targets: {e}") from None
-    if t.mixed_precision == "fp8":
-        check_fp8_hardware(device, t.fp8_emulate)
-        apply_fp8(model, t.fp8_recipe, t.fp8_emulate, fp8_all_gather(t.fp8_recipe, device))
-    if t.ac != "none":
-        from shardlm.parallel.ac import apply_ac
-
-        apply_ac(model, t.ac, every=t.ac_every)
-    if t.compile:
-        apply_compile(model, t.compile_backend)
-    apply_fsdp(model, mesh, mp_policy(t.mixed_precision, t.reduce_dtype), cfg.parallel.reshard_after_forward,
-               cpu_offload=t.cpu_offload)
-    model.to_empty(device="cpu" if t.cpu_offload else device)
-    if hf_dir(cfg) is None:
-        model.init_weights(seed=t.seed, shard_view=shard_view)  # LoRA adapters start here too (B = 0)
-    else:
-        from shardlm.hf_io import load_hf_weights
-        from shardlm.lora import is_lora_param
-
-        # The HF files hold every base weight (load_hf_weights errors on any missing): draw only the
-        # adapters, not 70B numbers that the load overwrites.
-        model.init_weights(seed=t.seed, shard_view=shard_view, only=is_lora_param)
-        load_hf_weights(model, hf_dir(cfg))
-    return model
+from shardlm.train.step import Batch, forward_backward
 
 
 def sidecar_files(cfg: Config, mc: ModelConfig) -> dict[str, str]:
@@ -132,10 +40,10 @@ def sidecar_files(cfg: Config, mc: ModelConfig) -> dict[str, str]:
         files["lora_config.json"] = json.dumps({"rank": lo.rank, "alpha": lo.alpha, "dropout": lo.dropout,
                                                 "targets": lo.targets, "adapters_only": lo.adapters_only,
                                                 "base": cfg.model.init_from}, indent=1)
-    d = hf_dir(cfg)
+    d = cfg.model.hf_dir
     if d is not None:
         files["hf_source.json"] = json.dumps({"init_from": cfg.model.init_from,
-                                              "tokenizer": tokenizer_spec(cfg)}, indent=1)
+                                              "tokenizer": cfg.tokenizer_spec()}, indent=1)
     return files
 
 
@@ -165,12 +73,40 @@ def prepare_metrics_file(out: Path, resumed_step: int | None) -> None:
     path.write_text("".join(line + "\n" for line in keep))
 
 
+@dataclass
+class StepResult:
+    loss: torch.Tensor  # this rank's share of the global mean loss (all-reduce to get it)
+    grad_norm: float  # global, before clipping
+    stop: bool  # some rank was asked to stop (SIGTERM)
+    nonfinite: str | None  # what went bad (the update was not applied), or None
+
+
+def nonfinite_report(loss_sum: torch.Tensor, params: list) -> str:
+    """Which ranks saw a non-finite loss or local gradient (the exceptional path: one all-gather)."""
+    grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in params if p.grad is not None]
+    grads_ok = all(bool(torch.isfinite(g).all()) for g in grads)
+    mine = torch.tensor([float(bool(torch.isfinite(loss_sum))), float(grads_ok)])
+    every = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, mine)
+    bad_loss = [r for r, v in enumerate(every) if not v[0]]
+    bad_grad = [r for r, v in enumerate(every) if not v[1]]
+
+    def ranks(rs: list[int]) -> str:
+        return f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))}"
+
+    if bad_loss:
+        return f"loss is not finite on {ranks(bad_loss)}"
+    if bad_grad:
+        return f"gradients are not finite on {ranks(bad_grad)} (loss finite on every rank)"
+    return "the gradient norm overflowed (every loss and gradient finite)"
+
+
 class Trainer:
     def __init__(self, cfg: Config):
         self.cfg = cfg
         # Everything that can be wrong with the config fails here, before any collective.
         self.dims = ParallelDims(cfg.parallel.dp_replicate, cfg.parallel.dp_shard, launched_world_size())
-        self.tokenizer = load_tokenizer(tokenizer_spec(cfg))
+        self.tokenizer = load_tokenizer(cfg.tokenizer_spec())
         self.model_cfg = build_model_config(cfg, self.tokenizer.vocab_size)
         self.files = resolve_files(cfg.data.path)
         self.env = init_distributed(cfg.train.device)
@@ -183,10 +119,10 @@ class Trainer:
         self.mesh = self.dims.build_mesh(self.env.device.type)
         self.output_dir = prepare_output_dir(cfg, self.is_rank0)
         self.loader, self.data_meta = self.build_data()
-        self.model = build_model(self.model_cfg, self.mesh, cfg, self.env.device)
+        self.model = build_model(cfg, self.model_cfg, self.mesh, self.env.device)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
-        self.fp8_all_gather = cfg.train.mixed_precision == "fp8" and fp8_all_gather(cfg.train.fp8_recipe,
-                                                                                       self.env.device)
+        self.fp8_all_gather = uses_fp8_all_gather(cfg, self.env.device)
+        self.skipped_in_row = self.skipped_total = 0
         self.optimizer = build_optimizer(self.model, cfg.train, self.env.device)
         self.checkpointer = Checkpointer(cfg.checkpoint, self.checkpoint_dir, self.env.rank, log=self.log,
                                          trainable_only=cfg.lora.adapters_only)
@@ -246,7 +182,7 @@ class Trainer:
         if d.format == "sft":
             from shardlm.data.sft import build_sft_loader
 
-            spec = tokenizer_spec(self.cfg)
+            spec = self.cfg.tokenizer_spec()
             tok_dir = None if spec == "bytes" else (Path(spec) if Path(spec).is_dir() else Path(spec).parent)
             loader, stats = build_sft_loader(
                 self.files, self.tokenizer, tok_dir, seq_len=d.seq_len, micro_batch_size=t.micro_batch_size,
@@ -262,42 +198,51 @@ class Trainer:
                             dp_rank=dp_rank(self.mesh), dp_size=self.dims.dp, seed=t.seed, shuffle=d.shuffle,
                             is_builder=self.env.local_rank == 0, barrier=dist.barrier)
 
-    def train_step(self, batches: list[tuple[torch.Tensor, torch.Tensor]],
-                   stop_requested: bool = False) -> tuple[torch.Tensor, torch.Tensor, bool]:
-        """One optimizer step over `grad_accum` micro-batches -> (global mean loss, grad norm, stop?).
+    def train_step(self, batches: list[Batch], stop_requested: bool = False) -> StepResult:
+        """One optimizer step over `grad_accum` micro-batches (see `forward_backward` for the loss).
 
-        The loss is a mean over every target token of the global batch: each rank sums its token
-        losses and divides by the global token count (x dp, since FSDP averages gradients over dp).
-        Gradients are reduce-scattered only after the last micro-batch. A rank's stop request
-        (SIGTERM) rides on the same all-reduce, so all ranks stop after the same step.
+        Before the optimizer runs, the guard: the local loss sum rides on the grad-norm all-reduce,
+        so a NaN/inf loss or gradient on any rank makes the norm non-finite on every rank, and all
+        of them skip (or stop) together. A rank's stop request (SIGTERM) rides on the token-count
+        all-reduce, so all ranks stop after the same step.
         """
-        dev = self.env.device
+        t = self.cfg.train
         # Counted on the host and reduced over gloo (the process group has a CPU backend on GPUs
         # too): no device sync, and the scale is a plain float.
         counts = torch.tensor([float(sum(int((y != IGNORE_INDEX).sum()) for _, y in batches)), float(stop_requested)])
         dist.all_reduce(counts)
         n_tokens, stop = counts.tolist()
-        scale = self.dims.dp / n_tokens
-        loss_sum = torch.zeros((), device=dev)
-        for k, (x, y) in enumerate(batches):
-            if len(batches) > 1:
-                self.model.set_requires_gradient_sync(k == len(batches) - 1)
-            x, y = x.to(dev, non_blocking=True), y.to(dev, non_blocking=True)
-            logits = self.model(x)
-            loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten(), ignore_index=IGNORE_INDEX,
-                                   reduction="sum")
-            (loss * scale).backward()
-            loss_sum += loss.detach()
-        grad_norm = clip_grad_norm_(self.params, self.cfg.train.grad_clip)
-        self.optimizer.step()
-        if self.fp8_all_gather:
-            precompute_fp8_scales(self.model)
-        self.scheduler.step()
+        loss_sum = forward_backward(self.model, batches, self.dims.dp / n_tokens, self.env.device, t.grad_sync,
+                                    self.dims.hsdp)
+        norm = clip_grad_norm_(self.params, t.grad_clip, flag=loss_sum)
+        grad_norm = norm.item()  # the step's one host read: the guard decides before the optimizer does
+        bad = None if math.isfinite(grad_norm) else nonfinite_report(loss_sum, self.params)
+        if bad is None:
+            self.optimizer.step()
+            if self.fp8_all_gather:
+                precompute_fp8_scales(self.model)
+            self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return loss_sum / n_tokens, grad_norm, stop > 0
+        return StepResult(loss_sum / n_tokens, grad_norm, stop > 0, bad)
+
+    def on_nonfinite(self, bad: str) -> None:
+        """train.nonfinite: stop with one line, or count the skip (and stop after too many in a row)."""
+        t = self.cfg.train
+        where = f"optimizer step {self.step + 1}: {bad}"
+        if t.nonfinite == "stop":
+            raise TrainingError(f"non-finite {where}; the update was not applied and the last checkpoint stands. "
+                                "Lower train.lr, set train.grad_clip, use train.mixed_precision=fp32, or "
+                                "train.nonfinite=skip to drop such steps")
+        self.skipped_in_row += 1
+        self.skipped_total += 1
+        self.log(f"skipped non-finite {where} ({self.skipped_in_row} in a row, {self.skipped_total} in all; "
+                 "no update, the batch is consumed)")
+        if self.skipped_in_row >= t.max_skipped_steps:
+            raise TrainingError(f"{self.skipped_in_row} non-finite steps in a row (train.max_skipped_steps="
+                                f"{t.max_skipped_steps}); the last checkpoint stands. Lower train.lr or check the data")
 
     def train(self) -> list[dict]:
-        """Run to train.steps (or until SIGTERM); returns the records logged by this process."""
+        """Run to train.steps optimizer steps (or until SIGTERM); returns the records logged by this process."""
         t, c, log_every = self.cfg.train, self.cfg.checkpoint, self.cfg.metrics.log_every
         tokens_per_step = self.loader.global_batch * self.cfg.data.seq_len
         meter = Throughput(self.model_cfg.flops_per_token(self.cfg.data.seq_len), peak_flops(self.env.device),
@@ -309,23 +254,27 @@ class Trainer:
         records, start, stopped = [], time.perf_counter(), False
         while self.step < t.steps and not stopped:
             lr = self.scheduler.get_last_lr()[0]
-            loss, grad_norm, stopped = self.train_step(self.loader.next_step(), self.preemption.requested)
-            self.step += 1
+            res = self.train_step(self.loader.next_step(), self.preemption.requested)
+            stopped = res.stop
             meter.add(tokens_per_step)
             self.checkpointer.poll()
+            if res.nonfinite is not None:
+                self.on_nonfinite(res.nonfinite)
+                if stopped:  # SIGTERM during a skipped step: checkpoint what there is
+                    self.save(blocking=True)
+                continue
+            self.skipped_in_row = 0
+            self.step += 1
             log_now = self.step % log_every == 0 or self.step == t.steps
             save_now = (stopped or (self.step == t.steps and c.save_final)
                         or (c.interval > 0 and self.step % c.interval == 0))
             loss_v = None
             if log_now or save_now:
-                dist.all_reduce(loss)  # each rank holds its share of the global mean
-                loss_v = loss.item()
-                if not math.isfinite(loss_v):  # checked before any save: never checkpoint a NaN
-                    raise TrainingError(f"loss is {loss_v} at step {self.step}; lower train.lr, enable "
-                                        "train.grad_clip or use train.mixed_precision=fp32")
+                dist.all_reduce(res.loss)  # each rank holds its share of the global mean
+                loss_v = res.loss.item()
             if log_now:
                 tps, mfu = meter.measure()
-                rec = {"step": self.step, "loss": loss_v, "lr": lr, "grad_norm": grad_norm.item(),
+                rec = {"step": self.step, "loss": loss_v, "lr": lr, "grad_norm": res.grad_norm,
                        "tokens_per_sec": tps, "mfu": mfu, "mem_gib": memory_gib(self.env.device),
                        "elapsed_s": time.perf_counter() - start}
                 records.append(rec)
@@ -370,7 +319,8 @@ class Trainer:
     def finish(self, records: list[dict], elapsed: float, sample: bool = True) -> None:
         t = self.cfg.train
         if records:
-            self.metrics.write(f"done: {self.step} steps in {elapsed:.1f}s, loss {records[0]['loss']:.3f} -> "
+            skipped = f" ({self.skipped_total} non-finite steps skipped)" if self.skipped_total else ""
+            self.metrics.write(f"done: {self.step} steps in {elapsed:.1f}s{skipped}, loss {records[0]['loss']:.3f} -> "
                                f"{records[-1]['loss']:.3f}; outputs in {self.output_dir}/ (config.toml, metrics.jsonl)")
         if sample and t.sample_tokens > 0:
             ids = generate(self.model, self.tokenizer.encode(t.sample_prompt), t.sample_tokens,

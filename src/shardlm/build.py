@@ -1,0 +1,103 @@
+"""THE model recipe. Trainer and planner (later eval and generate) build a model only through here.
+
+    meta -> LoRA / freeze -> float8 linears -> activation checkpointing -> compile -> fully_shard
+         -> materialise -> init or HF load
+
+`materialize` is the one step a caller may swap: the trainer allocates real storage and fills it
+(each rank only its shards: `init_weights` draws shard-invariant numbers, the HF load reads only
+the rows a rank owns); the planner allocates fake storage (FakeTensorMode) and fills nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+
+from shardlm.config import Config
+from shardlm.errors import ConfigError
+from shardlm.models import ModelConfig, Transformer, get_preset
+from shardlm.parallel.ac import apply_ac
+from shardlm.parallel.compile import apply_compile
+from shardlm.parallel.fsdp import apply_fsdp, mp_policy, shard_view
+from shardlm.quant.fp8 import apply_fp8, check_fp8_hardware, fp8_all_gather
+
+Materialize = Callable[[Transformer, Config, torch.device], None]
+
+
+def build_model_config(cfg: Config, tokenizer_vocab: int) -> ModelConfig:
+    """The preset (or the HF folder's config.json), with any model.* overrides, RoPE sized to data.seq_len."""
+    overrides = {k: v for k, v in dataclasses.asdict(cfg.model).items()
+                 if k not in ("preset", "init_from") and v is not None}
+    if cfg.model.hf_dir is not None:
+        from shardlm.hf_io import read_hf_config
+
+        if overrides:
+            raise ConfigError(f"model.{next(iter(overrides))} cannot change the shape of a model loaded with "
+                              "model.init_from; drop the override")
+        base, _ = read_hf_config(cfg.model.hf_dir)
+    else:
+        try:
+            base = get_preset(cfg.model.preset)
+        except KeyError as e:
+            raise ConfigError(f"model.preset: {e.args[0]}") from None
+    if ({"dim", "n_heads"} & overrides.keys()) and base.head_dim == base.dim // base.n_heads:
+        overrides["head_dim"] = None  # derived, not set by the preset: derive it again (Qwen3's stays)
+    if "n_heads" in overrides and "n_kv_heads" not in overrides and base.n_kv_heads == base.n_heads:
+        overrides["n_kv_heads"] = None  # plain MHA stays MHA
+    try:
+        mc = dataclasses.replace(base, **overrides, max_seq_len=cfg.data.seq_len)
+    except ValueError as e:
+        raise ConfigError(f"model: {e}") from None
+    if tokenizer_vocab > mc.vocab_size:
+        raise ConfigError(f"the tokenizer has {tokenizer_vocab} tokens but the model's vocab_size is {mc.vocab_size}; "
+                          f"set --model.vocab_size={tokenizer_vocab} or use a matching tokenizer")
+    return mc
+
+
+def materialize_weights(model: Transformer, cfg: Config, device: torch.device) -> None:
+    """Real storage for this rank's shards, filled by a shard-invariant init or from the HF files."""
+    model.to_empty(device="cpu" if cfg.train.cpu_offload else device)
+    if cfg.model.hf_dir is None:
+        model.init_weights(seed=cfg.train.seed, shard_view=shard_view)  # LoRA adapters start here too (B = 0)
+        return
+    from shardlm.hf_io import load_hf_weights
+    from shardlm.lora import is_lora_param
+
+    # The HF files hold every base weight (load_hf_weights errors on any missing): draw only the
+    # adapters, not 70B numbers that the load overwrites.
+    model.init_weights(seed=cfg.train.seed, shard_view=shard_view, only=is_lora_param)
+    load_hf_weights(model, cfg.model.hf_dir)
+
+
+def uses_fp8_all_gather(cfg: Config, device: torch.device) -> bool:
+    """Whether FSDP all-gathers float8 weights (then the optimizer step is followed by a scale update)."""
+    return cfg.train.mixed_precision == "fp8" and fp8_all_gather(cfg.train.fp8_recipe, device)
+
+
+def build_model(cfg: Config, mc: ModelConfig, mesh: DeviceMesh, device: torch.device,
+                materialize: Materialize = materialize_weights) -> Transformer:
+    """The model of `cfg`, sharded over `mesh`; no rank ever holds the whole model."""
+    t, lo = cfg.train, cfg.lora
+    with torch.device("meta"):
+        model = Transformer(mc)
+    if lo.rank > 0:
+        from shardlm.lora import apply_lora
+
+        try:
+            apply_lora(model, lo.rank, lo.alpha, lo.dropout, lo.targets, train_embeddings=lo.train_embeddings,
+                       train_norms=lo.train_norms)
+        except ValueError as e:
+            raise ConfigError(f"lora.targets: {e}") from None
+    if t.mixed_precision == "fp8":
+        check_fp8_hardware(device, t.fp8_emulate)
+        apply_fp8(model, t.fp8_recipe, t.fp8_emulate, uses_fp8_all_gather(cfg, device))
+    apply_ac(model, t.ac, every=t.ac_every)
+    if t.compile:
+        apply_compile(model, t.compile_backend)
+    apply_fsdp(model, mesh, mp_policy(t.mixed_precision, t.reduce_dtype), cfg.parallel.reshard_after_forward,
+               cpu_offload=t.cpu_offload)
+    materialize(model, cfg, device)
+    return model

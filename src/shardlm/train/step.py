@@ -1,0 +1,61 @@
+"""One optimizer step's forward and backward, the one copy the trainer and the planner both run.
+
+The loss is a mean over every target token of the global batch: each rank sums its token losses
+and scales them by dp / (global target-token count), since FSDP averages gradients over dp.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shardlm.data.loader import IGNORE_INDEX
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+GRAD_SYNC = ("micro_batch", "step")
+
+
+def set_grad_sync(model: nn.Module, k: int, n_micro: int, mode: str, hsdp: bool) -> None:
+    """Before micro-batch `k` of `n_micro`: which gradient collectives its backward runs.
+
+    micro_batch: reduce-scatter after every micro-batch, so gradients stay sharded whatever
+    train.grad_accum; with HSDP the cross-replica all-reduce waits for the last micro-batch
+    (FSDP2 accumulates the reduce-scattered partial sums until then): most of the inter-node
+    traffic is saved at no memory cost.
+    step: no gradient collective before the last micro-batch; each rank accumulates the
+    *unsharded* gradients of every trainable parameter until then (less traffic, more memory).
+    """
+    if n_micro == 1:
+        return
+    last = k == n_micro - 1
+    if mode == "step":
+        model.set_requires_gradient_sync(last)
+    elif hsdp:
+        model.set_requires_all_reduce(last)
+
+
+def forward_backward(model: nn.Module, batches: list[Batch], scale: float, device: torch.device,
+                     grad_sync: str = "micro_batch", hsdp: bool = False,
+                     before_micro_batch: Callable[[int], None] | None = None) -> torch.Tensor:
+    """Forward + fp32 token-sum cross-entropy + backward of each micro-batch; the local loss sum.
+
+    `scale` multiplies each micro-batch's loss sum before backward (dp / global target tokens).
+    `before_micro_batch(k)` is the planner's hook (it labels the memory of each micro-batch).
+    """
+    loss_sum = torch.zeros((), device=device)
+    for k, (x, y) in enumerate(batches):
+        set_grad_sync(model, k, len(batches), grad_sync, hsdp)
+        if before_micro_batch is not None:
+            before_micro_batch(k)
+        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        logits = model(x)
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten(), ignore_index=IGNORE_INDEX,
+                               reduction="sum")
+        del logits
+        (loss * scale).backward()
+        loss_sum += loss.detach()
+        del loss
+    return loss_sum
