@@ -15,9 +15,10 @@ import time
 import pytest
 import torch.distributed as dist
 
+from shardlm.cli import main
 from shardlm.config import load_config
 from shardlm.errors import PlanError
-from shardlm.plan import GIB, Breakdown, plan, plan_command
+from shardlm.plan import GIB, Breakdown, plan
 
 
 def _cfg(*overrides: str, ac: str | None = None):
@@ -128,12 +129,12 @@ def test_leaves_no_process_group_behind():
 
 
 def test_cli(capsys):
-    rc = plan_command(["--nodes", "1", "--gpus-per-node", "2", "--gpu-mem-gib", "80", "--json",
-                       "--model.preset=debug", "--train.ac=full"])
+    rc = main(["plan", "--nodes", "1", "--gpus-per-node", "2", "--gpu-mem-gib", "80", "--json",
+               "--model.preset=debug", "--train.ac=full"])
     out = json.loads(capsys.readouterr().out)
     assert rc == 0 and out["fits"] and out["world_size"] == 2 and out["base"]["ac"] == "full"
-    rc = plan_command(["--nodes=1", "--gpus-per-node=2", "--gpu-mem-gib=0.001", "--no-alternatives",
-                       "--model.preset=debug"])
+    rc = main(["plan", "--nodes=1", "--gpus-per-node=2", "--gpu-mem-gib=0.001", "--no-alternatives",
+               "--model.preset=debug"])
     text = capsys.readouterr().out
     assert rc == 3 and "DOES NOT FIT" in text
 

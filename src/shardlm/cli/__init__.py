@@ -1,0 +1,113 @@
+"""`shardlm <command>`: one argparse root; a module per command, each with `add_args(parser)` and
+`run(args, overrides) -> int`. A command parses its arguments and calls one library function; what
+argparse does not know (`--section.key=value` config overrides, from `parse_known_args`) goes to
+`shardlm.config.load_config`, for the commands that take a config (`TAKES_OVERRIDES = True`).
+
+Every user error (a `ShardlmError`, argparse usage errors included, as `ConfigError`) is one line
+`shardlm: error: ...` on stderr (rank 0) and in torchrun's error file, and the exit code is the
+error type's (`shardlm.errors`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from shardlm import __version__
+from shardlm.cli import convert, debug_assets, plan, presets, train
+from shardlm.errors import ConfigError, ShardlmError
+
+# name -> (module, one-line help), in the order `shardlm --help` lists them
+COMMANDS = {
+    "train": (train, "train, alone or under torchrun (`train --help`: every config key)"),
+    "plan": (plan, "per-rank memory before launch: does it fit, and if not, what would"),
+    "convert": (convert, "checkpoints: dcp-to-hf (HF model or peft adapter), hf-to-dcp"),
+    "make-debug-hf": (debug_assets, "a tiny HF-format model + SFT data (for configs/debug_lora.toml)"),
+    "presets": (presets, "list the model presets"),
+}
+
+
+class _Exit(Exception):
+    """argparse is done (after --help / --version): return `status`."""
+
+    def __init__(self, status: int):
+        super().__init__(status)
+        self.status = status
+
+
+class Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose usage errors are one-line `ConfigError`s and that never calls sys.exit."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)  # `--section.key=value` must never match an option's prefix
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str):
+        cmd = self.prog.removeprefix("shardlm").strip()
+        raise ConfigError(f"{cmd + ': ' if cmd else ''}{message}; see `{self.prog} --help`")
+
+    def exit(self, status: int = 0, message: str | None = None):
+        if message:
+            sys.stderr.write(message)
+        raise _Exit(status)
+
+
+def _formatter(prog: str) -> argparse.HelpFormatter:
+    return argparse.RawDescriptionHelpFormatter(prog, max_help_position=24, width=110)
+
+
+def build_parser() -> tuple[Parser, dict[str, Parser]]:
+    root = Parser(prog="shardlm", usage="shardlm <command> [options]", formatter_class=_formatter,
+                  description="Train and fine-tune Llama-family LLMs with PyTorch FSDP2.",
+                  epilog="`shardlm <command> --help` shows a command's options.")
+    root.add_argument("--version", action="version", version=f"shardlm {__version__}")
+    sub = root.add_subparsers(dest="command", title="commands", metavar="<command>", required=True)
+    parsers = {}
+    for name, (module, help_) in COMMANDS.items():
+        p = sub.add_parser(name, prog=f"shardlm {name}", help=help_, formatter_class=_formatter,
+                           description=help_[0].upper() + help_[1:] + ".")
+        module.add_args(p)
+        parsers[name] = p
+    return root, parsers
+
+
+def _rank0() -> bool:
+    return os.environ.get("RANK", "0") == "0"
+
+
+def _report(line: str) -> None:
+    """Print on rank 0; under torchrun also hand the line to its failure summary (its error file)."""
+    if _rank0():
+        print(line, file=sys.stderr, flush=True)
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if error_file:
+        with open(error_file, "w") as f:
+            json.dump({"message": line}, f)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        root, parsers = build_parser()
+        if not argv:
+            root.print_help()
+            return 2
+        if not argv[0].startswith("-") and argv[0] not in COMMANDS:
+            raise ConfigError(f"unknown command {argv[0]!r}; commands: {', '.join(COMMANDS)}")
+        args, overrides = root.parse_known_args(argv)
+        module = COMMANDS[args.command][0]
+        if overrides and not getattr(module, "TAKES_OVERRIDES", False):
+            parsers[args.command].error(f"unrecognized arguments: {' '.join(overrides)}")
+        return module.run(args, overrides)
+    except _Exit as e:
+        return e.status
+    except ShardlmError as e:
+        _report(f"shardlm: error: {e}")
+        return e.exit_code
+    except KeyboardInterrupt:
+        return 130
+
+
+__all__ = ["COMMANDS", "Parser", "build_parser", "main"]

@@ -1,0 +1,37 @@
+"""`shardlm plan`: per-rank memory of one training step before launch; exit 0 if it fits, 3 if not."""
+
+from __future__ import annotations
+
+import argparse
+
+TAKES_OVERRIDES = True
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.usage = ("shardlm plan [--config FILE] --gpu-mem-gib M [--nodes N] [--gpus-per-node G] [--headroom F] "
+               "[--json] [--no-alternatives] [--exact] [--section.key=value ...]")
+    p.epilog = ("exit code: 0 if the config fits, 3 if it does not.\n"
+                "--section.key=value overrides the config (see `shardlm train --help`).")
+    p.add_argument("--config", metavar="FILE", help="TOML config file (default: the built-in defaults)")
+    p.add_argument("--nodes", type=int, default=1, metavar="N", help="number of nodes (default: 1)")
+    p.add_argument("--gpus-per-node", type=int, default=8, metavar="G", help="GPUs per node (default: 8)")
+    p.add_argument("--gpu-mem-gib", type=float, required=True, metavar="M", help="memory of one GPU, in GiB")
+    p.add_argument("--headroom", type=float, default=None, metavar="F",
+                   help="fraction of each GPU kept free for what is not modelled (default: 0.1)")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument("--no-alternatives", dest="alternatives", action="store_false",
+                   help="do not search for knobs that would make it fit")
+    p.add_argument("--exact", action="store_true", help="run every layer (no extrapolation from shorter models)")
+
+
+def run(args: argparse.Namespace, overrides: list[str]) -> int:
+    from shardlm.config import load_config
+    from shardlm.errors import PLAN_DOES_NOT_FIT
+    from shardlm.plan import plan
+
+    cfg = load_config(args.config, overrides)
+    headroom = {} if args.headroom is None else {"headroom": args.headroom}
+    report = plan(cfg, args.nodes * args.gpus_per_node, args.gpu_mem_gib, args.gpus_per_node, **headroom,
+                  alternatives=args.alternatives, exact=args.exact)
+    print(report.to_json() if args.json else report.format())
+    return 0 if report.fits else PLAN_DOES_NOT_FIT

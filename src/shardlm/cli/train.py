@@ -1,0 +1,37 @@
+"""`shardlm train [--config FILE] [--section.key=value ...]`: train (alone, or under torchrun)."""
+
+from __future__ import annotations
+
+import argparse
+
+TAKES_OVERRIDES = True
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    from shardlm.config import describe
+
+    p.usage = "shardlm train [--config FILE] [--section.key=value ...]"
+    p.epilog = "config keys (each one also a --section.key=value override):\n" + describe()
+    p.add_argument("--config", metavar="FILE", help="TOML config file (e.g. configs/debug.toml); "
+                   "--section.key=value overrides are applied on top of it")
+
+
+def run(args: argparse.Namespace, overrides: list[str]) -> int:
+    from shardlm.config import load_config
+
+    cfg = load_config(args.config, overrides)
+
+    from shardlm.train.trainer import Trainer
+
+    trainer = None
+    try:
+        trainer = Trainer(cfg)
+        trainer.train()
+    finally:
+        if trainer is not None:
+            trainer.close()
+        else:  # the Trainer failed part-way: still free the process group it may have joined
+            from shardlm.distributed.env import shutdown_distributed
+
+            shutdown_distributed()
+    return 0
