@@ -1,0 +1,156 @@
+"""The CLI dispatcher (`shardlm.cli.main`), in process: parsing, one-line errors, exit codes.
+
+The real commands run as processes in tests/integration/test_cli.py; here the library functions
+they call are replaced where running them would be slow.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from shardlm import __version__
+from shardlm.cli import COMMANDS, main
+from shardlm.errors import PLAN_DOES_NOT_FIT, ConfigError
+
+ROOT = Path(__file__).resolve().parents[2]
+DEBUG = str(ROOT / "configs" / "debug.toml")
+
+
+def _one_error_line(capsys) -> str:
+    out, err = capsys.readouterr()
+    lines = err.strip().splitlines()
+    assert out == "" and len(lines) == 1 and lines[0].startswith("shardlm: error: "), (out, err)
+    return lines[0]
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["-h"]])
+def test_help_lists_every_command(capsys, argv):
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: shardlm <command>")
+    for name in ("train", "plan", "convert", "make-debug-hf", "presets"):
+        assert f"\n    {name}" in out
+    assert set(COMMANDS) == {"train", "plan", "convert", "make-debug-hf", "presets"}
+
+
+def test_no_command_prints_the_help_and_exits_2(capsys):
+    assert main([]) == 2
+    assert "commands:" in capsys.readouterr().out
+
+
+def test_version(capsys):
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out.strip() == f"shardlm {__version__}"
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["trian"], "unknown command 'trian'; commands: train, plan, convert, make-debug-hf, presets"),
+    (["plan", "--nodes", "x", "--gpu-mem-gib", "80"], "plan: argument --nodes: invalid int value: 'x'"),
+    (["plan", "--nodes", "2"], "plan: the following arguments are required: --gpu-mem-gib"),
+    (["plan", "--gpu-mem-gib"], "plan: argument --gpu-mem-gib: expected one argument"),
+    (["train", "--config"], "train: argument --config: expected one argument; see `shardlm train --help`"),
+    (["--bogus"], "the following arguments are required: <command>"),
+    (["convert"], "convert: the following arguments are required"),
+    (["convert", "dcp-to-hf", "ckpt"], "convert dcp-to-hf: the following arguments are required: OUT"),
+    (["convert", "dcp-to-hf", "a", "b", "--dtype", "fp16"], "argument --dtype: invalid choice: 'fp16'"),
+    (["make-debug-hf"], "make-debug-hf: the following arguments are required: OUT_DIR"),
+    (["presets", "--model.preset=debug"], "presets: unrecognized arguments: --model.preset=debug"),
+])
+def test_usage_errors_are_one_config_error_line(capsys, argv, needle):
+    assert main(argv) == ConfigError.exit_code == 2
+    assert needle in _one_error_line(capsys)
+
+
+def test_errors_go_to_the_torchelastic_error_file_and_only_rank0_prints(capsys, monkeypatch, tmp_path):
+    error_file = tmp_path / "error.json"
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))
+    monkeypatch.setenv("RANK", "1")
+    assert main(["plan", "--nodes", "x", "--gpu-mem-gib", "80"]) == 2
+    assert capsys.readouterr().err == ""
+    message = json.loads(error_file.read_text())["message"]
+    assert message.startswith("shardlm: error: plan: argument --nodes: invalid int value: 'x'")
+
+
+def test_config_errors_keep_their_message(capsys):
+    assert main(["train", "--config", DEBUG, "--train.stepz=5"]) == 2
+    assert "unknown config key 'train.stepz'; did you mean 'train.steps'?" in _one_error_line(capsys)
+    assert main(["train", "--config", "nowhere.toml"]) == 2
+    assert "config file 'nowhere.toml' not found" in _one_error_line(capsys)
+
+
+def test_train_help_prints_every_config_key(capsys):
+    from shardlm.config import describe
+
+    assert main(["train", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: shardlm train [--config FILE] [--section.key=value ...]")
+    assert describe() in out and "train.micro_batch_size" in out and "Sequences per rank" in out
+
+
+class _FakeTrainer:
+    made: list = []
+
+    def __init__(self, cfg):
+        self.cfg, self.trained, self.closed = cfg, False, False
+        _FakeTrainer.made.append(self)
+
+    def train(self):
+        self.trained = True
+
+    def close(self):
+        self.closed = True
+
+
+@pytest.mark.parametrize("config_args", [["--config", DEBUG], [f"--config={DEBUG}"]])
+def test_train_overrides_reach_the_config(monkeypatch, config_args):
+    import shardlm.train.trainer
+
+    monkeypatch.setattr(shardlm.train.trainer, "Trainer", _FakeTrainer)
+    _FakeTrainer.made.clear()
+    argv = ["train", "--train.steps=7", *config_args, "--data.seq_len", "32", "--train.lr=2e-4"]
+    assert main(argv) == 0
+    (t,) = _FakeTrainer.made
+    assert t.trained and t.closed
+    assert t.cfg.train.steps == 7 and t.cfg.data.seq_len == 32 and t.cfg.train.lr == 2e-4
+    assert t.cfg.model.preset == "debug"
+
+
+def test_plan_passes_its_arguments_and_exits_3_when_it_does_not_fit(monkeypatch, capsys):
+    import shardlm.plan
+
+    calls = []
+
+    def fake_plan(cfg, world_size, gpu_mem_gib, gpus_per_node, **kw):
+        calls.append((cfg, world_size, gpu_mem_gib, gpus_per_node, kw))
+        fits = gpu_mem_gib > 1
+        return SimpleNamespace(fits=fits, format=lambda: f"fits={fits}", to_json=lambda: json.dumps({"fits": fits}))
+
+    monkeypatch.setattr(shardlm.plan, "plan", fake_plan)
+    assert main(["plan", "--nodes=2", "--gpus-per-node", "4", "--gpu-mem-gib=80", "--model.n_layers=3",
+                 "--train.ac=full", "--train.cpu_offload=true", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == {"fits": True}
+    cfg, world_size, mem, gpn, kw = calls[-1]
+    assert (world_size, mem, gpn) == (8, 80.0, 4) and kw == {"alternatives": True, "exact": False}
+    assert cfg.model.n_layers == 3 and cfg.train.ac == "full" and cfg.train.cpu_offload is True
+    assert main(["plan", "--config", DEBUG, "--gpu-mem-gib", "0.5", "--headroom", "0.2", "--no-alternatives",
+                 "--exact"]) == PLAN_DOES_NOT_FIT == 3
+    assert capsys.readouterr().out.strip() == "fits=False"
+    cfg, world_size, mem, gpn, kw = calls[-1]
+    assert (world_size, gpn) == (8, 8) and kw == {"headroom": 0.2, "alternatives": False, "exact": True}
+
+
+def test_presets_lists_every_preset(capsys):
+    from shardlm.models import PRESETS
+
+    assert main(["presets"]) == 0
+    names = [line.split()[0] for line in capsys.readouterr().out.splitlines()]
+    assert names == list(PRESETS)
+
+
+def test_convert_refuses_an_incomplete_checkpoint(capsys, tmp_path):
+    assert main(["convert", "dcp-to-hf", str(tmp_path), str(tmp_path / "out")]) == 2
+    assert f"{tmp_path} is not a complete shardlm checkpoint (no .metadata)" in _one_error_line(capsys)
