@@ -23,7 +23,9 @@ from _common import ROOT, report  # noqa: E402
 sys.path.insert(0, str(ROOT / "src"))
 
 from shardlm.config import load_config  # noqa: E402
-from shardlm.plan import GIB, _model_config, _period, _reduced_layers, plan  # noqa: E402
+from shardlm.plan import GIB, plan  # noqa: E402
+from shardlm.plan.extrapolate import period_of, reduced_layers  # noqa: E402
+from shardlm.plan.fake_step import model_config  # noqa: E402
 
 CASES = [  # (label, overrides, world size)
     ("llama3_8b full FT, 8 ranks", ["--model.preset=llama3_8b", "--data.seq_len=4096",
@@ -56,7 +58,7 @@ def main() -> None:
         t2 = time.perf_counter()
         same = (fast.base.peak.raw == full.base.peak.raw and fast.base.model_state.raw == full.base.model_state.raw
                 and fast.base.offload_peak_bytes == full.base.offload_peak_bytes)
-        shallow = _reduced_layers(_model_config(cfg).n_layers, _period(cfg)) is None
+        shallow = reduced_layers(model_config(cfg)[0].n_layers, period_of(cfg)) is None
         lines.append(f"{label:<44} {t1 - t0:>13.1f}s {t2 - t1:>11.1f}s {(t2 - t1) / (t1 - t0):>8.1f}x "
                      f"{fast.base.peak.total / GIB:>9.2f}  {'yes' if same else 'NO'}"
                      + ("  (too shallow to pay: both ran every layer)" if shallow else "")

@@ -3,12 +3,11 @@
 Method. For each config, two measurements of the same training step:
 
 * real: 2 gloo ranks (`run_ranks`), real tensors on CPU. The model is built as the trainer builds it
-  (meta -> AC -> `apply_fsdp` -> `to_empty` -> `init_weights`), with the trainer's AdamW
+  (`shardlm.build.build_model`: fp8 and CPU offload included), with the trainer's AdamW
   (`build_optimizer`, fused as on CUDA: torch has the fused kernel on CPU too) over the sharded
-  DTensor parameters. Step 1 runs untracked (it creates the AdamW moments); step 2, exactly
-  `Trainer.train_step` (token-count all-reduce, micro-batches with gradient sync on the last only,
-  fp32 CE, backward, `clip_grad_norm_` over the DTensor grads, `optimizer.step()`,
-  `zero_grad(set_to_none=True)`), runs inside `FSDPMemTracker(model, optimizer)` in real mode. The
+  DTensor parameters. Step 1 runs untracked (it creates the AdamW moments); step 2, the trainer's
+  step (token-count all-reduce, `forward_backward` with train.grad_sync, `clip_grad_norm_`,
+  `optimizer.step()`, `zero_grad(set_to_none=True)`), runs inside `FSDPMemTracker(model, optimizer)` in real mode. The
   peak is `get_tracker_snapshot("peak")` "Total" on rank 0.
 * planned: `shardlm.plan.plan(cfg, world_size=2, ...)` in this (pytest) process: a fake process
   group, FakeTensorMode, its own step emulation (local-shard optimizer, optimizer state created
@@ -40,6 +39,17 @@ CASES = {
                             "--data.seq_len=128"], "full"),
     "debug_fp32_accum2": (["--model.preset=debug", "--train.mixed_precision=fp32", "--train.micro_batch_size=4",
                            "--train.grad_accum=2", "--data.seq_len=128"], "none"),
+    "debug_fp32_accum2_step": (["--model.preset=debug", "--train.mixed_precision=fp32", "--train.micro_batch_size=4",
+                                "--train.grad_accum=2", "--train.grad_sync=step", "--data.seq_len=128"], "none"),
+    # grad_accum=4 vs 1 at the same micro-batch: the gradient bytes per rank must not grow (see below)
+    "debug_fp32_mb4": (["--model.preset=debug", "--train.mixed_precision=fp32", "--train.micro_batch_size=4",
+                        "--data.seq_len=128"], "none"),
+    "debug_fp32_accum4": (["--model.preset=debug", "--train.mixed_precision=fp32", "--train.micro_batch_size=4",
+                           "--train.grad_accum=4", "--data.seq_len=128"], "none"),
+    "debug_fp8_emulated": (["--model.preset=debug", "--train.mixed_precision=fp8", "--train.fp8_emulate=true",
+                            "--train.micro_batch_size=8", "--data.seq_len=128"], "none"),
+    "debug_bf16_cpu_offload": (["--model.preset=debug", "--train.mixed_precision=bf16", "--train.cpu_offload=true",
+                                "--train.micro_batch_size=8", "--data.seq_len=128"], "none"),
     # ~60M parameters: dim 512, 8 layers, ffn 1536, vocab 32000
     "m50_fp32": (["--model.preset=debug", "--model.dim=512", "--model.n_layers=8", "--model.ffn_dim=1536",
                   "--model.vocab_size=32000", "--train.mixed_precision=fp32", "--train.micro_batch_size=2",
@@ -50,25 +60,21 @@ CASES = {
 def _config(overrides: list[str], ac: str):
     from shardlm.config import load_config
 
-    cfg = load_config(None, overrides)
-    cfg.train.ac = ac  # not a Config key yet: the planner reads it with getattr
-    return cfg
+    return load_config(None, [*overrides, f"--train.ac={ac}"])
 
 
 def _real_worker(cases: dict) -> dict:
     import torch
     import torch.distributed as dist
-    import torch.nn.functional as F
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 
+    from shardlm.build import build_model, build_model_config
     from shardlm.data.loader import IGNORE_INDEX
     from shardlm.distributed.env import init_distributed
-    from shardlm.models import Transformer
-    from shardlm.parallel.ac import apply_ac
     from shardlm.parallel.dims import ParallelDims
-    from shardlm.parallel.fsdp import apply_fsdp, clip_grad_norm_, mp_policy, shard_view
+    from shardlm.parallel.fsdp import clip_grad_norm_
     from shardlm.train.optim import build_optimizer
-    from shardlm.build import build_model_config
+    from shardlm.train.step import forward_backward
 
     env = init_distributed("cpu")
     out = {}
@@ -78,12 +84,7 @@ def _real_worker(cases: dict) -> dict:
         dims = ParallelDims(cfg.parallel.dp_replicate, cfg.parallel.dp_shard, env.world_size)
         mesh = dims.build_mesh("cpu")
         mc = build_model_config(cfg, 0)
-        with torch.device("meta"):
-            model = Transformer(mc)
-        apply_ac(model, ac)
-        apply_fsdp(model, mesh, mp_policy(t.mixed_precision, t.reduce_dtype), cfg.parallel.reshard_after_forward)
-        model.to_empty(device="cpu")
-        model.init_weights(seed=t.seed, shard_view=shard_view)
+        model = build_model(cfg, mc, mesh, torch.device("cpu"))  # the trainer's recipe, real tensors
         params = [p for p in model.parameters() if p.requires_grad]
         optimizer = build_optimizer(model, t, torch.device("cuda"))  # fused, as on CUDA
 
@@ -93,21 +94,27 @@ def _real_worker(cases: dict) -> dict:
             d = torch.randint(0, mc.vocab_size, (t.micro_batch_size, cfg.data.seq_len + 1), generator=gen)
             return d[:, :-1].contiguous(), d[:, 1:].contiguous()
 
+        grads = {}
+
+        def grad_bytes(tracker) -> int:
+            snap = tracker.get_tracker_snapshot("current")
+            return sum(v for dev in snap.values() for k, v in dev.items()
+                       if str(getattr(k, "value", k)) in ("Sharded Grad", "Unsharded Grad"))
+
         def train_step(batches, tracker=None):  # Trainer.train_step, on CPU
             counts = torch.tensor([float(sum(int((y != IGNORE_INDEX).sum()) for _, y in batches)), 0.0])
             dist.all_reduce(counts)
-            scale = dims.dp / counts[0].item()
-            for k, (x, y) in enumerate(batches):
-                if len(batches) > 1:
-                    model.set_requires_gradient_sync(k == len(batches) - 1)
-                    if k and tracker is not None:
-                        tracker.reset_mod_stats()  # else it refuses a second root forward
-                logits = model(x)
-                loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten(), ignore_index=IGNORE_INDEX,
-                                       reduction="sum")
-                (loss * scale).backward()
-                del logits, loss
-            clip_grad_norm_(params, t.grad_clip)
+
+            def reset(k):
+                if k and tracker is not None:
+                    grads.setdefault("mid", grad_bytes(tracker))  # after the first micro-batch's backward
+                    tracker.reset_mod_stats()  # else it refuses a second root forward
+
+            loss_sum = forward_backward(model, batches, dims.dp / counts[0].item(), torch.device("cpu"),
+                                        t.grad_sync, dims.hsdp, before_micro_batch=reset)
+            if tracker is not None:
+                grads["end"] = grad_bytes(tracker)  # after the last backward
+            clip_grad_norm_(params, t.grad_clip, flag=loss_sum)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
 
@@ -119,7 +126,8 @@ def _real_worker(cases: dict) -> dict:
             train_step(batches, tracker)
         peak = tracker.get_tracker_snapshot("peak")
         out[name] = {"peak": sum(dev["Total"] for dev in peak.values()),
-                     "split": {str(getattr(k, "value", k)): v for dev in peak.values() for k, v in dev.items()}}
+                     "split": {str(getattr(k, "value", k)): v for dev in peak.values() for k, v in dev.items()},
+                     "grads": grads}
         del model, optimizer, params, tracker, batches
     return out
 
@@ -141,3 +149,17 @@ def test_planner_within_15_percent_of_real(real, case, world):
     rel = abs(planned - measured) / measured
     assert rel <= TOL, (f"{case}: planned {planned} B vs real {measured} B ({rel:.1%})\n"
                         f"planned split {report.base.peak.raw}\nreal split {real[world][case]['split']}")
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_gradients_stay_sharded_under_accumulation(real, world):
+    """Measured on gloo: with train.grad_sync=micro_batch a rank's gradient bytes, between micro-batches and
+    after the last, equal those of grad_accum=1 (sharded); with step they are the whole model's, unsharded."""
+    from shardlm.build import build_model_config
+
+    r = real[world]
+    one, four = r["debug_fp32_mb4"]["grads"], r["debug_fp32_accum4"]["grads"]
+    assert four["mid"] == pytest.approx(one["end"], rel=0.02) and four["end"] == pytest.approx(one["end"], rel=0.02)
+    n_params = build_model_config(_config(CASES["debug_fp32"][0], "none"), 0).num_params()
+    assert one["end"] == pytest.approx(4 * n_params / world, rel=0.05)  # fp32, sharded over the ranks
+    assert r["debug_fp32_accum2_step"]["grads"]["mid"] >= 0.95 * 4 * n_params  # step: every gradient, whole

@@ -22,18 +22,7 @@ from shardlm.plan import GIB, Breakdown, plan
 
 
 def _cfg(*overrides: str, ac: str | None = None):
-    cfg = load_config(None, list(overrides))
-    if ac is not None:
-        cfg.train.ac = ac  # not a Config key yet: the planner reads it with getattr
-    return cfg
-
-
-def _lora_available() -> bool:
-    try:
-        from shardlm.lora import apply_lora  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    return load_config(None, [*overrides, *([f"--train.ac={ac}"] if ac else [])])
 
 
 BIG = ("--data.seq_len=2048", "--train.micro_batch_size=1")
@@ -77,8 +66,7 @@ def test_alternatives_when_it_does_not_fit():
     assert alts["train.micro_batch_size=1"].fits
     assert alts["train.cpu_offload=true"].peak_bytes < r.base.peak_bytes
     assert "2x ranks: 4 (0.5 x 8 GPUs)" in alts
-    if _lora_available():
-        assert alts["lora.rank=16 (frozen base)"].lora_rank == 16
+    assert alts["lora.rank=16 (frozen base)"].lora_rank == 16
     best = r.best_alternative()
     assert best is not None and best.fits and best.margin_bytes == max(s.margin_bytes for s in r.alternatives)
     assert "most room" in r.format()
@@ -95,14 +83,89 @@ def test_model_state_bound_skips_hopeless_runs():
     assert alts["2x ranks: 4 (0.5 x 8 GPUs)"].measured
 
 
-def test_grad_accum_counts_unsharded_gradients():
+def test_grad_accum_counts_unsharded_gradients_only_with_grad_sync_step():
     one = plan(_cfg("--model.preset=debug", "--train.mixed_precision=fp32"), 2, 80, alternatives=False)
-    two = plan(_cfg("--model.preset=debug", "--train.mixed_precision=fp32", "--train.grad_accum=2"), 2, 80,
-               alternatives=False)
+    two = plan(_cfg("--model.preset=debug", "--train.mixed_precision=fp32", "--train.grad_accum=2",
+                    "--train.grad_sync=step"), 2, 80, alternatives=False)
     # no gradient sync on the first micro-batch: every rank holds the whole model's gradients
     assert two.base.peak.raw["Unsharded Grad"] >= 0.9 * 4 * two.n_params
     assert one.base.peak.raw["Unsharded Grad"] < 0.5 * 4 * one.n_params
-    assert any("grad_accum" in n for n in two.notes)
+    assert any("grad_sync=step" in n for n in two.notes)
+    # the default (micro_batch): reduce-scattered after every micro-batch, as without accumulation
+    four = plan(_cfg("--model.preset=debug", "--train.mixed_precision=fp32", "--train.grad_accum=4"), 2, 80)
+    assert four.base.peak.raw["Unsharded Grad"] < 0.5 * 4 * four.n_params
+    assert four.base.peak_bytes == pytest.approx(one.base.peak_bytes, rel=0.05)
+    assert not any("grad_sync" in n for n in four.notes)
+    # it fits, and so does grad_sync=step: offered, with what it costs
+    assert [s.name for s in four.alternatives] == ["train.grad_sync=step"] and four.alternatives[0].fits
+    assert four.alternatives[0].peak_bytes > four.base.peak_bytes and "also fits" in four.format()
+
+
+def test_fp8_is_planned_with_float8_linears():
+    bf16 = plan(_cfg("--model.preset=debug", "--train.mixed_precision=bf16"), 2, 80, alternatives=False)
+    fp8 = plan(_cfg("--model.preset=debug", "--train.mixed_precision=fp8"), 2, 80, alternatives=False)
+    assert fp8.base.peak.total != bf16.base.peak.total  # the float8 casts are really there
+    assert any("float8" in n and "emulated" in n for n in fp8.notes), fp8.notes
+
+
+def test_cpu_offload_is_planned_with_the_offload_policy():
+    r = plan(_cfg("--model.preset=debug", "--train.cpu_offload=true"), 2, 80, alternatives=False)
+    b = r.base
+    assert b.cpu_offload and b.peak_bytes == b.offload_peak_bytes < b.peak.total
+    offloaded = sum(b.peak.raw.get(k, 0) for k in ("Sharded Param", "Sharded Grad", "OptState"))
+    assert b.offload_peak_bytes >= b.peak.total - offloaded  # the on-GPU peak is over the whole step
+
+
+# -- plans that need no download --------------------------------------------------------------------
+
+LLAMA32_1B_CONFIG = {  # the shape of Llama 3.2 1B, as its config.json writes it
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 2048, "intermediate_size": 8192,
+    "num_hidden_layers": 16, "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256,
+    "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "max_position_embeddings": 131072, "tie_word_embeddings": True,
+    "hidden_act": "silu", "torch_dtype": "bfloat16"}
+
+
+def test_plan_from_a_config_json_alone(tmp_path):
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text(json.dumps(LLAMA32_1B_CONFIG))  # no weights, no tokenizer
+    r = plan(_cfg(f"--model.init_from=hf:{tmp_path / 'm'}", "--data.seq_len=256", "--train.micro_batch_size=1"), 8,
+             80, alternatives=False)
+    from shardlm.models import get_preset
+
+    assert r.n_params == get_preset("llama3_1b").num_params() and not r.notes
+
+
+def test_plan_falls_back_to_the_preset_when_the_folder_is_missing(tmp_path):
+    from shardlm.errors import ConfigError
+    from shardlm.models import get_preset
+
+    missing = tmp_path / "not-downloaded"
+    r = plan(_cfg(f"--model.init_from=hf:{missing}", "--model.preset=llama3_1b", "--data.seq_len=256",
+                  "--train.micro_batch_size=1"), 8, 80, alternatives=False)
+    assert r.n_params == get_preset("llama3_1b").num_params()
+    assert any("model.preset=llama3_1b" in n and "does not exist" in n for n in r.notes), r.notes
+    with pytest.raises(ConfigError, match="--model.preset=llama3_70b"):  # no preset named: say how to name one
+        plan(_cfg(f"--model.init_from=hf:{missing}"), 8, 80, alternatives=False)
+
+
+def test_every_plan_command_the_docs_show_runs_on_a_fresh_checkout(capsys):
+    """The plan commands in README.md and configs/*.toml, as written (HF folders absent here)."""
+    import re
+    import shlex
+    from pathlib import Path
+
+    from shardlm.cli import main
+
+    root = Path(__file__).resolve().parents[2]
+    texts = [root / "README.md", *sorted((root / "configs").glob("*.toml"))]
+    cmds = {m.group(1).split("[")[0].strip().rstrip("`") for f in texts
+            for m in re.finditer(r"shardlm plan (--config [^\n`]+)", f.read_text())}
+    assert cmds, "no plan command found in the docs"
+    for cmd in sorted(cmds):
+        rc = main(["plan", *shlex.split(cmd), "--no-alternatives", "--json"])
+        out = capsys.readouterr()
+        assert rc in (0, 3), (cmd, out.err[-2000:])
+        assert json.loads(out.out)["base"]["peak_gib"] > 0
 
 
 def test_hsdp_mesh_and_ac_modes():
@@ -147,9 +210,9 @@ DEEP = ("--model.preset=debug", "--model.n_layers=17", "--data.seq_len=64")
 @pytest.fixture
 def extrapolate_small(monkeypatch):
     """Plan the 17-layer debug models from two short steps too (below the depth where it pays off)."""
-    from shardlm import plan as P
+    import shardlm.plan.extrapolate as X
 
-    monkeypatch.setattr(P, "_MIN_SAVING", -100)
+    monkeypatch.setattr(X, "MIN_SAVING", -100)
 
 
 @pytest.mark.parametrize("extra", [
@@ -170,29 +233,30 @@ def test_extrapolated_plan_equals_every_layer(extra, extrapolate_small):
 
 
 def test_extrapolation_checks_its_fit(extrapolate_small):
-    from shardlm import plan as P
+    from shardlm.plan.extrapolate import NotAffine, extrapolate_peak, reduced_layers
+    from shardlm.plan.fake_step import fake_step, model_config
 
     cfg = _cfg(*DEEP)
-    mc = P._model_config(cfg)
-    n_a, n_b = P._reduced_layers(mc.n_layers, 1)
+    mc, _ = model_config(cfg)
+    n_a, n_b = reduced_layers(mc.n_layers, 1)
     assert n_b - n_a == 1 and n_b < mc.n_layers
-    a, b = (P._fake_step(cfg, 2, dataclasses.replace(mc, n_layers=n), phases=True) for n in (n_a, n_b))
-    peak, _ = P._extrapolate(a, b, mc.n_layers, 1)
-    assert peak == P._fake_step(cfg, 2, mc).peak
+    a, b = (fake_step(cfg, 2, dataclasses.replace(mc, n_layers=n), phases=True) for n in (n_a, n_b))
+    peak, _ = extrapolate_peak(a, b, mc.n_layers, 1)
+    assert peak == fake_step(cfg, 2, mc).peak
     # a middle block that is not like the others (here: its activations doubled) is caught, not fitted
     key = next(k for k in b.phases if k[2] == (n_b // 2,) and k[1])
     b.phases[key] = {k: v * 2 for k, v in b.phases[key].items()}
-    with pytest.raises(P._NotAffine, match="off the fit"):
-        P._extrapolate(a, b, mc.n_layers, 1)
+    with pytest.raises(NotAffine, match="off the fit"):
+        extrapolate_peak(a, b, mc.n_layers, 1)
 
 
 def test_which_models_are_extrapolated():
-    from shardlm import plan as P
+    from shardlm.plan.extrapolate import reduced_layers
 
-    assert P._reduced_layers(32, 1) is None  # llama3_8b: two short steps cost about what 32 layers do
-    assert P._reduced_layers(80, 1) == (10, 11)  # llama3_70b
-    assert P._reduced_layers(80, 2) == (12, 14)  # selective AC every 2nd block: same residue mod 2
-    assert P._reduced_layers(126, 3) == (15, 18) and 126 % 3 == 15 % 3
+    assert reduced_layers(32, 1) is None  # llama3_8b: two short steps cost about what 32 layers do
+    assert reduced_layers(80, 1) == (10, 11)  # llama3_70b
+    assert reduced_layers(80, 2) == (12, 14)  # selective AC every 2nd block: same residue mod 2
+    assert reduced_layers(126, 3) == (15, 18) and 126 % 3 == 15 % 3
 
 
 def test_breakdown_grouping():
@@ -221,7 +285,6 @@ def test_llama3_70b_fits_on_four_nodes_with_full_ac():
     assert r.base.peak.total < 0.9 * 80 * GIB
 
 
-@pytest.mark.skipif(not _lora_available(), reason="shardlm.lora.apply_lora not available")
 def test_llama3_70b_lora_fits_on_one_node():
     r = plan(_cfg("--model.preset=llama3_70b", *BIG, "--lora.rank=16", ac="full"), world_size=8, gpu_mem_gib=80,
              alternatives=False)

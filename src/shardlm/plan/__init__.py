@@ -1,0 +1,162 @@
+"""Memory planner: will this config fit, per rank, on N GPUs of M GiB? If not, which knob fixes it?
+
+Method: nothing is estimated from formulas. The planner runs the trainer's real code path for ONE
+training step, per rank, in the current process, on fake tensors:
+
+1. `dist.init_process_group("fake", FakeStore, rank=0, world_size=W)`: a process group whose
+   collectives do nothing but have the right shapes (rank 0 stands for every rank: FSDP shards
+   are even up to padding). It is destroyed afterwards; `plan` refuses to run where a process
+   group already exists.
+2. The model is built by the trainer's own recipe, `shardlm.build.build_model` (LoRA, torchao
+   float8 linears, AC, `fully_shard` over the `ParallelDims` mesh with the configured mixed
+   precision, reshard_after_forward and CPU offload policy); only its materialisation differs:
+   `to_empty` under `FakeTensorMode` (tensors with shapes, dtypes and storage sizes but no memory).
+3. AdamW as `build_optimizer` makes it on CUDA (same groups and hyper-parameters, fused), over the
+   local shards of the sharded parameters (see `local_adamw`: same memory, no DTensor overhead).
+   Its state is created first (zero gradients + one step), because from the second step on the
+   moments live through forward and backward: the steady state.
+4. One step through the trainer's own `shardlm.train.step.forward_backward` (micro_batch_size x
+   seq_len tokens; with grad_accum > 1 two micro-batches with the gradient sync of
+   train.grad_sync: `step` keeps unsharded gradients through the first, part of the peak),
+   the trainer's grad-norm clip, `optimizer.step()`, `zero_grad`, all inside
+   `FSDPMemTracker(model, optimizer)`, which follows every tensor storage that is created and
+   freed and labels it.
+
+Numbers (bytes per rank):
+
+* peak: `tracker.get_tracker_snapshot("peak")`: the total at the moment of the step's peak and
+  what it was made of then, the tracker's categories grouped as
+  params = Sharded Param + Unsharded Param + Buffer, grads = Sharded Grad + Unsharded Grad,
+  optimizer = OptState, activations = Activation + Inputs, temporaries = Temp (backward
+  temporaries: activation gradients, and the recomputed activations under AC, since the
+  recomputation runs inside backward), comm = All Gather + Reduce Scatter (FSDP's collective
+  buffers).
+* model state: a snapshot after backward and clipping, before `optimizer.step()`: sharded fp32
+  params + sharded fp32 gradients + AdamW moments (the "16 bytes per parameter" of mixed precision
+  training, divided by the shard degree).
+* cpu offload (estimate): the peak over the whole step of (total - sharded params - sharded grads
+  - optimizer state), i.e. what stays on the GPU when FSDP's CPUOffloadPolicy keeps those in host
+  memory. The H2D/D2H staging copies are not modelled (one block's shard at a time: small).
+
+Checked against real runs (2 gloo ranks, the same tracker in real mode) in
+tests/distributed/test_plan_accuracy.py (within 15%; see there).
+
+The fake device is the CPU. FakeTensorMode can fake CUDA tensors without a GPU, but DeviceMesh and
+FSDP2 (CUDA streams, `torch.cuda.set_device`) need a CUDA runtime, and this torch build has none.
+The accounting is device independent (tensor sizes and lifetimes; FSDP2 runs the same code,
+prefetch and reduce-scatter buffers included, on either device). CUDA SDPA (flash /
+memory-efficient) keeps the same tensors as the CPU flash kernel used here (output + logsumexp).
+Not modelled: the CUDA context and cuBLAS/NCCL workspaces (~0.5-2 GiB), NCCL's internal buffers,
+the caching allocator's 512-byte rounding, fragmentation and cross-stream reuse delays, kernels'
+scratch memory. `headroom` (default
+10% of the GPU) is kept free for those.
+
+Modelled as the trainer runs it: LoRA, AC, HSDP, train.grad_sync, fp8 (torchao float8 linears,
+emulated on the fake CPU tensors: the same float8 copies), CPU offload (the FSDP policy is applied;
+what stays on the GPU is the peak less sharded params, grads and optimizer state). Not modelled,
+and said so in the plan's notes: train.compile (eager memory is planned) and the float8 all-gather
+(NCCL only: all-gather buffers are planned in bf16, an upper bound).
+
+Models deeper than ~33 layers are planned from two short fake steps (`extrapolate`): equal to the
+byte to running every layer (tests/unit/test_plan.py; timings in benchmarks/results/plan_speed_cpu.txt).
+`exact=True` runs every layer.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch.distributed as dist
+
+from shardlm.config import Config
+from shardlm.errors import ConfigError, PlanError
+from shardlm.plan.extrapolate import NotAffine, extrapolate_peak, lerp, period_of, reduced_layers
+from shardlm.plan.fake_step import StepMemory, fake_step, model_config, with_layers
+from shardlm.plan.report import DEFAULT_HEADROOM, GIB, Breakdown, PlanReport, Scenario
+from shardlm.plan.search import alternatives as search_alternatives
+from shardlm.plan.search import fitting_extras
+
+
+def measure(cfg: Config, world_size: int, usable_bytes: int, name: str,
+            overrides: dict | None = None, exact: bool = False) -> tuple[Scenario, StepMemory]:
+    """One scenario: a fake step of `cfg` (or two short ones, extrapolated)."""
+    t0 = time.perf_counter()
+    mc, _ = model_config(cfg)
+    reduced = None if exact else reduced_layers(mc.n_layers, period_of(cfg))
+    note, step = "", None
+    if reduced is not None:
+        a, b = (fake_step(cfg, world_size, with_layers(mc, n), phases=True) for n in reduced)
+        try:
+            peak, offload = extrapolate_peak(a, b, mc.n_layers, b.n_layers - a.n_layers)
+        except NotAffine as e:
+            note = f"ran all {mc.n_layers} layers ({e})"
+        else:
+            t = (mc.n_layers - a.n_layers) / (b.n_layers - a.n_layers)
+            state = {k: round(v) for k, v in lerp(a.model_state, b.model_state, t).items()}
+            step = StepMemory(n_layers=mc.n_layers, n_params=mc.num_params(),
+                              trainable=round(a.trainable + (b.trainable - a.trainable) * t), peak=peak,
+                              model_state=state, offload=offload, phases=None)
+    if step is None:
+        step = fake_step(cfg, world_size, mc)
+    t = cfg.train
+    peak = Breakdown.from_flat(step.peak)
+    scen = Scenario(name=name, world_size=world_size, micro_batch_size=t.micro_batch_size, seq_len=cfg.data.seq_len,
+                    grad_accum=t.grad_accum, ac=t.ac, lora_rank=cfg.lora.rank, cpu_offload=t.cpu_offload,
+                    peak=peak, model_state=Breakdown.from_flat(step.model_state), offload_peak_bytes=step.offload,
+                    peak_bytes=step.offload if t.cpu_offload else peak.total, usable_bytes=usable_bytes,
+                    seconds=time.perf_counter() - t0, overrides=dict(overrides or {}), note=note)
+    return scen, step
+
+
+def _notes(cfg: Config, shape_note: str | None) -> list[str]:
+    """One line for each setting the plan does not model exactly."""
+    t, notes = cfg.train, []
+    if shape_note:
+        notes.append(shape_note)
+    if t.mixed_precision == "fp8":
+        ag = " (float8 all-gather is NCCL-only and not modelled: all-gathers planned in bf16, an upper bound)" \
+            if t.fp8_recipe == "tensorwise" else ""
+        notes.append(f"train.mixed_precision=fp8: torchao float8 linears planned with emulated matmuls{ag}")
+    if t.compile:
+        notes.append("train.compile is not modelled: eager memory (compiled blocks usually keep fewer temporaries)")
+    if t.grad_accum > 1 and t.grad_sync == "step":
+        notes.append("train.grad_sync=step: every rank holds the unsharded gradients of every trainable parameter "
+                     "during accumulation (counted here); micro_batch keeps them sharded")
+    return notes
+
+
+def plan(cfg: Config, world_size: int, gpu_mem_gib: float, gpus_per_node: int = 8,
+         headroom: float = DEFAULT_HEADROOM, alternatives: bool = True, exact: bool = False) -> PlanReport:
+    """Per-rank peak memory of one training step of `cfg` on `world_size` ranks of `gpu_mem_gib` GiB.
+
+    Runs in this process on fake tensors and a fake process group (see the module docstring), so
+    it must not be called where a process group already exists. When the config does not fit and
+    `alternatives` is true, knobs are tried in their own fake runs (`shardlm.plan.search`); when it
+    fits with grad_accum > 1, train.grad_sync=step is offered if it fits too.
+    """
+    if dist.is_available() and dist.is_initialized():
+        raise PlanError("plan() runs its own fake process group and must be called where no process group "
+                        "exists (not inside torchrun/a training job); call dist.destroy_process_group() first")
+    if world_size < 1 or gpu_mem_gib <= 0 or not 0 <= headroom < 1:
+        raise ConfigError(f"plan: need world_size >= 1, gpu_mem_gib > 0 and headroom in [0, 1); got "
+                          f"{world_size}, {gpu_mem_gib}, {headroom}")
+    t0 = time.perf_counter()
+    usable = int(gpu_mem_gib * (1 - headroom) * GIB)
+    _, shape_note = model_config(cfg)
+    base, step = measure(cfg, world_size, usable, "as configured", exact=exact)
+    notes = _notes(cfg, shape_note) + ([base.note] if base.note else [])
+    report = PlanReport(model=cfg.model.init_from or cfg.model.preset, n_params=step.n_params,
+                        trainable_params=step.trainable, world_size=world_size, gpus_per_node=gpus_per_node,
+                        gpu_mem_gib=gpu_mem_gib, headroom=headroom, base=base, notes=notes)
+
+    def run(variant: Config, ws: int, name: str, overrides: dict) -> Scenario:
+        return measure(variant, ws, usable, name, overrides, exact=exact)[0]
+
+    if alternatives:
+        report.alternatives = (search_alternatives(cfg, base, usable, gpus_per_node, run, notes) if not base.fits
+                               else fitting_extras(cfg, base, usable, gpus_per_node, run))
+    report.seconds = time.perf_counter() - t0
+    return report
+
+
+__all__ = ["Breakdown", "Scenario", "PlanReport", "PlanError", "plan", "measure", "GIB", "DEFAULT_HEADROOM"]

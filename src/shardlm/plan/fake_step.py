@@ -1,0 +1,200 @@
+"""One training step on fake tensors and a fake process group, built and run by the trainer's own code.
+
+The model comes from `shardlm.build.build_model` with one change, the materialisation: fake storage
+(FakeTensorMode: shapes, dtypes and sizes, no memory) instead of real storage and an init. The step
+is `shardlm.train.step.forward_backward` + the trainer's `clip_grad_norm_` + AdamW, inside
+FSDPMemTracker.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from shardlm.build import build_model, build_model_config
+from shardlm.config import Config
+from shardlm.errors import ConfigError
+from shardlm.models import ModelConfig, get_preset
+from shardlm.parallel.dims import ParallelDims
+from shardlm.parallel.fsdp import clip_grad_norm_
+from shardlm.plan.report import OFFLOADED, flat
+from shardlm.plan.tracker import tracker_class
+from shardlm.train.optim import build_optimizer
+from shardlm.train.step import forward_backward
+
+_DEFAULT_PRESET = "debug"
+
+
+@dataclass
+class StepMemory:
+    """What one fake step measured (flat snapshots: the tracker's category names -> bytes)."""
+
+    n_layers: int
+    n_params: int
+    trainable: int
+    peak: dict[str, int]
+    model_state: dict[str, int]
+    offload: int
+    phases: dict | None
+
+
+def model_config(cfg: Config) -> tuple[ModelConfig, str | None]:
+    """The shape to plan and, when it was not the obvious source, a note saying which one was used.
+
+    The planner needs the shape, not the weights: an `init_from` folder holding only config.json
+    plans. Where the folder or its config.json is not there (a fresh checkout, a laptop), the
+    shape comes from model.preset, which recipes set to the preset of the same shape.
+    """
+    hf_dir = cfg.model.hf_dir
+    if hf_dir is None or (hf_dir / "config.json").is_file():
+        mc = build_model_config(cfg, 0)  # vocab 0: no tokenizer needed to plan
+        if hf_dir is None or cfg.model.preset == _DEFAULT_PRESET:
+            return mc, None
+        preset = get_preset(cfg.model.preset)
+        if preset.num_params() != mc.num_params():
+            return mc, (f"planned {hf_dir / 'config.json'} ({mc.num_params() / 1e9:.2f}B params); model.preset="
+                        f"{cfg.model.preset} ({preset.num_params() / 1e9:.2f}B) differs and was not used")
+        return mc, None
+    if cfg.model.preset == _DEFAULT_PRESET:
+        raise ConfigError(f"model.init_from: {hf_dir / 'config.json'} not found. The planner needs only the shape: "
+                          "copy that config.json there, or name the preset of the same shape, e.g. "
+                          "--model.preset=llama3_70b (see `shardlm presets`)")
+    shape_cfg = copy.deepcopy(cfg)
+    shape_cfg.model.init_from = ""
+    try:
+        mc = build_model_config(shape_cfg, 0)
+    except ConfigError as e:
+        raise ConfigError(f"{e} (planning model.preset={cfg.model.preset} because {hf_dir} has no config.json)") \
+            from None
+    where = "does not exist" if not Path(hf_dir).exists() else "has no config.json"
+    return mc, f"planned the shape of model.preset={cfg.model.preset}: model.init_from folder {hf_dir} {where}"
+
+
+def planned_config(cfg: Config) -> Config:
+    """What the fake step runs: `cfg`, with float8 matmuls emulated (fake tensors run on the CPU)."""
+    c = copy.deepcopy(cfg)
+    if c.train.mixed_precision == "fp8":
+        c.train.fp8_emulate = True  # same tensors as the FP8 kernels; no FP8-capable device needed
+    c.train.compile = False  # not modelled (see `plan`'s notes): eager memory
+    return c
+
+
+def fake_materialize(mode):
+    """build_model's materialisation for the planner: fake storage in `mode`, nothing filled."""
+    def materialize(model, cfg: Config, device: torch.device) -> None:
+        with mode:
+            model.to_empty(device=device)
+    return materialize
+
+
+def local_adamw(model, t) -> tuple[torch.optim.AdamW, list[tuple[torch.Tensor, torch.Tensor]]]:
+    """The trainer's AdamW (`build_optimizer`: same groups and hyper-parameters, fused as on CUDA),
+    over each sharded parameter's local shard instead of the DTensor.
+
+    Memory is the same (the moments are shard-sized either way, and the fused kernel allocates
+    nothing); what it saves is DTensor's sharding propagation for one fused op over every parameter,
+    which on fake tensors costs seconds and grows with the square of the parameter count.
+    Returns the optimizer and (DTensor parameter, its local shard) pairs.
+    """
+    ref = build_optimizer(model, t, torch.device("cuda"))
+    pairs, groups = [], []
+    with torch.no_grad():
+        for g in ref.param_groups:
+            local = []
+            for p in g["params"]:
+                lp = p.to_local() if hasattr(p, "to_local") else p
+                pairs.append((p, lp))
+                local.append(lp)
+            groups.append({**g, "params": local})
+    return torch.optim.AdamW(groups, fused=True), pairs
+
+
+def _sync_grads(pairs, set_none: bool = False) -> None:
+    for p, lp in pairs:
+        if set_none:
+            p.grad = lp.grad = None
+        elif p.grad is not None:
+            lp.grad = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+
+
+def warm_optimizer(optimizer, pairs) -> None:
+    """Create the optimizer state, as the first step does (zero gradients: values do not matter)."""
+    for _, lp in pairs:
+        lp.grad = torch.zeros_like(lp)
+    optimizer.step()
+    _sync_grads(pairs, set_none=True)
+
+
+def training_step(model, optimizer, pairs, batches, dims: ParallelDims, cfg: Config, tracker) -> dict:
+    """The trainer's step on fake tensors; returns the model-state snapshot taken after backward.
+
+    `forward_backward` (gradient sync per train.grad_sync), the trainer's grad-norm clip, the
+    optimizer step, `zero_grad(set_to_none=True)`. The tracker labels each phase.
+    """
+    n_tokens = sum(y.numel() for _, y in batches) * dims.dp
+
+    def label(k: int) -> None:
+        tracker.phase = f"mb{k}"
+        if k:
+            tracker.reset_mod_stats()  # per-module stats only; it refuses a 2nd root forward otherwise
+
+    loss_sum = forward_backward(model, batches, dims.dp / n_tokens, batches[0][0].device, cfg.train.grad_sync,
+                                dims.hsdp, before_micro_batch=label)
+    tracker.phase = "clip"
+    clip_grad_norm_([p for p, _ in pairs], cfg.train.grad_clip, flag=loss_sum)
+    _sync_grads(pairs)
+    state = tracker.get_tracker_snapshot("current")
+    tracker.phase = "optim"
+    optimizer.step()
+    _sync_grads(pairs, set_none=True)
+    return state
+
+
+def fake_step(cfg: Config, world_size: int, mc: ModelConfig | None = None, phases: bool = False) -> StepMemory:
+    """One fake training step of `cfg` on `world_size` ranks, every layer of its model (or of `mc`)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from shardlm._torch_compat import FakeStore
+
+    dims = ParallelDims(cfg.parallel.dp_replicate, cfg.parallel.dp_shard, world_size)
+    mc = mc if mc is not None else model_config(cfg)[0]
+    run = planned_config(cfg)
+    t, d = run.train, run.data
+    dev = torch.device("cpu")
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    try:
+        mesh = dims.build_mesh("cpu")  # outside FakeTensorMode: the mesh holds real (tiny) tensors
+        mode = FakeTensorMode(allow_non_fake_inputs=True)  # to_empty reads the meta tensors
+        model = build_model(run, mc, mesh, dev, materialize=fake_materialize(mode))
+        with mode:
+            optimizer, pairs = local_adamw(model, t)
+            trainable = sum(p.numel() for p, _ in pairs)  # global sizes (DTensor.numel)
+            warm_optimizer(optimizer, pairs)
+            n_micro = min(t.grad_accum, 2)  # the 2nd..k-th micro-batch look the same to memory
+            batches = [(torch.zeros(t.micro_batch_size, d.seq_len, dtype=torch.long, device=dev),
+                        torch.zeros(t.micro_batch_size, d.seq_len, dtype=torch.long, device=dev))
+                       for _ in range(n_micro)]
+            tracker = tracker_class()(model, optimizer)
+            tracker.phases = {} if phases else None
+            tracker.track_inputs(tuple(batches))
+            with tracker:
+                state = training_step(model, optimizer, pairs, batches, dims, run, tracker)
+            peak = flat(tracker.get_tracker_snapshot("peak"))
+            offload = tracker.offload_peak or (peak["Total"] - sum(peak.get(n, 0) for n in OFFLOADED))
+            out = StepMemory(n_layers=mc.n_layers, n_params=mc.num_params(), trainable=trainable, peak=peak,
+                             model_state=flat(state), offload=int(offload),
+                             phases=None if tracker.phases is None else
+                             {k: {**flat(snap), "offload": off} for k, (_, snap, off) in tracker.phases.items()})
+            del model, optimizer, pairs, batches, tracker
+    finally:
+        dist.destroy_process_group()
+    return out
+
+
+def with_layers(mc: ModelConfig, n_layers: int) -> ModelConfig:
+    return dataclasses.replace(mc, n_layers=n_layers)
