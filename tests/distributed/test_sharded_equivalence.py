@@ -69,14 +69,24 @@ def results(tmp_path_factory, corpus):
         "1rank": _overrides(tmp, corpus, "1rank", mbs=4, accum=1),
         "1rank_accum4": _overrides(tmp, corpus, "1rank_accum4", mbs=1, accum=4),
         "1rank_again": _overrides(tmp, corpus, "1rank_again", mbs=4, accum=1),
+        "1rank_accum4_step": _overrides(tmp, corpus, "1rank_accum4_step", mbs=1, accum=4,
+                                        **{"train.grad_sync": "step"}),
+        "1rank_b8": _overrides(tmp, corpus, "1rank_b8", mbs=8, accum=1),
     })
     two = run_ranks(2, train_runs, {
         "fsdp2": _overrides(tmp, corpus, "fsdp2", mbs=2, accum=1),
         "fsdp2_accum2": _overrides(tmp, corpus, "fsdp2_accum2", mbs=1, accum=2),
+        "fsdp2_accum2_step": _overrides(tmp, corpus, "fsdp2_accum2_step", mbs=1, accum=2,
+                                        **{"train.grad_sync": "step"}),
     })
     four = run_ranks(4, train_runs, {
         "fsdp4": _overrides(tmp, corpus, "fsdp4", mbs=1, accum=1),
         "hsdp2x2": _overrides(tmp, corpus, "hsdp2x2", mbs=1, accum=1, **{"parallel.dp_replicate": 2}),
+        # 2x2 HSDP with accumulation: the all-reduce deferred to the last micro-batch (micro_batch), or all
+        # gradient sync deferred (step); both equal one rank with the whole batch of 8
+        "hsdp2x2_accum2": _overrides(tmp, corpus, "hsdp2x2_accum2", mbs=1, accum=2, **{"parallel.dp_replicate": 2}),
+        "hsdp2x2_accum2_step": _overrides(tmp, corpus, "hsdp2x2_accum2_step", mbs=1, accum=2,
+                                          **{"parallel.dp_replicate": 2, "train.grad_sync": "step"}),
     })
     return {**one, **two, **four}
 
@@ -96,10 +106,13 @@ def test_sharded_losses_equal_one_rank(results, tag):
         assert results[tag]["weights"][name] == pytest.approx(v, rel=1e-4, abs=1e-4), name
 
 
-@pytest.mark.parametrize("tag", ["1rank_accum4", "fsdp2_accum2"])
-def test_accumulation_equals_bigger_batch(results, tag):
-    _assert_same(results["1rank"]["loss"], results[tag]["loss"], f"{tag} loss")
-    _assert_same(results["1rank"]["grad_norm"], results[tag]["grad_norm"], f"{tag} grad norm")
+@pytest.mark.parametrize("tag, ref", [("1rank_accum4", "1rank"), ("fsdp2_accum2", "1rank"),
+                                      ("1rank_accum4_step", "1rank"), ("fsdp2_accum2_step", "1rank"),
+                                      ("hsdp2x2_accum2", "1rank_b8"), ("hsdp2x2_accum2_step", "1rank_b8")])
+def test_accumulation_equals_bigger_batch(results, tag, ref):
+    """Both train.grad_sync modes: reduce-scatter per micro-batch (HSDP: all-reduce on the last) or per step."""
+    _assert_same(results[ref]["loss"], results[tag]["loss"], f"{tag} loss")
+    _assert_same(results[ref]["grad_norm"], results[tag]["grad_norm"], f"{tag} grad norm")
 
 
 def test_same_seed_same_run_bitwise(results):

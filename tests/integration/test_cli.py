@@ -77,3 +77,17 @@ def test_missing_data_is_one_clear_line(tmp_path, corpus):
 def test_help_lists_config_keys():
     p = _run(["train", "--help"])
     assert p.returncode == 0 and "train.micro_batch_size" in p.stdout and "Sequences per rank" in p.stdout
+
+
+def test_nonfinite_step_is_one_line_and_exit_code_6(tmp_path, corpus):
+    """A run that diverges (lr far too high, no clipping) stops before the bad update, naming step and cause."""
+    from shardlm.errors import TrainingError
+
+    p = _run(["train", "--config", DEBUG, *_small(tmp_path, corpus), "--train.steps=20", "--train.lr=1e6",
+              "--train.grad_clip=0", "--train.warmup_steps=0", "--checkpoint.interval=1"])
+    assert p.returncode == TrainingError.exit_code == 6, p.stderr[-2000:]
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("shardlm: error: non-finite optimizer step "), p.stderr
+    bad = int(lines[0].split("optimizer step ")[1].split(":")[0])
+    saved = sorted(int(d.name.split("-")[1]) for d in (tmp_path / "run" / "checkpoints").glob("step-*"))
+    assert saved and saved[-1] == bad - 1  # every good step was saved; the bad one was not
