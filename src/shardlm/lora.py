@@ -23,6 +23,7 @@ from typing import Any, Iterable, Mapping
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from shardlm.models.hf import hf_key_to_ours, our_key_to_hf
 from shardlm.models.llama import InitSpec, RMSNorm
@@ -129,7 +130,7 @@ def apply_lora(model: nn.Module, rank: int, alpha: float, dropout: float = 0.0,
     targets = list(targets)
     if any(isinstance(m, LoRALinear) for m in model.modules()):
         raise ValueError("apply_lora: the model already has LoRA layers")
-    if any(type(p).__name__ == "DTensor" for p in model.parameters()):
+    if any(isinstance(p, DTensor) for p in model.parameters()):
         raise ValueError("apply_lora: the model is already sharded; call apply_lora before fully_shard")
     linears = {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear)}
     valid = sorted({n.rpartition(".")[2] for n in linears})

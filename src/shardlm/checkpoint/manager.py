@@ -22,7 +22,6 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.planner import ReadItem
@@ -34,6 +33,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from shardlm.config import CheckpointSection
+from shardlm._torch_compat import set_element
 from shardlm.errors import CheckpointError
 
 _STEP_RE = re.compile(r"^step-(\d+)$")

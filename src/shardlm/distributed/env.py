@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from shardlm._torch_compat import release_mesh_groups
 from shardlm.errors import ConfigError
 
 
@@ -74,7 +75,5 @@ def shutdown_distributed() -> None:
     gc.collect()
     for obj in gc.get_objects():
         if type(obj) is DeviceMesh:  # not isinstance: some gc-tracked classes warn in __instancecheck__
-            registry = getattr(obj, "_pg_registry", None)  # torch >= 2.9; older meshes hold names only
-            if isinstance(registry, dict):
-                registry.clear()
+            release_mesh_groups(obj)
     gc.collect()

@@ -30,6 +30,7 @@ from typing import Any, Callable
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from torch.utils.checkpoint import checkpoint
 
 AC_MODES = ("none", "full", "selective", "selective_op")
@@ -95,7 +96,7 @@ def checkpoint_block(block: nn.Module, context_fn: Callable[[], Any] | None = No
     """Make `block` run its forward under non-reentrant AC, in place (names and parameters unchanged)."""
     if is_checkpointed(block):
         raise ValueError(f"{type(block).__name__} is already activation-checkpointed")
-    if type(block).__name__.startswith("FSDP"):
+    if isinstance(block, FSDPModule):
         raise ValueError("apply_ac must run before fully_shard (FSDP's hooks must stay outside the checkpoint)")
     block.__class__ = _checkpointed_class(type(block))
     if context_fn is not None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from shardlm._torch_compat import compile_backends
 from shardlm.errors import ConfigError
 
 
@@ -15,10 +16,8 @@ def apply_compile(model: nn.Module, backend: str = "inductor") -> None:
     reduce-scatter run eagerly around each compiled block. The blocks share one compiled graph
     (parameters are graph inputs), so depth does not multiply compile time.
     """
-    import torch._dynamo
-
-    if backend not in torch._dynamo.list_backends(exclude_tags=()):
+    if backend not in compile_backends():
         raise ConfigError(f"train.compile_backend={backend!r} is not a torch.compile backend; use one of "
-                          f"{', '.join(sorted({*torch._dynamo.list_backends(), 'aot_eager', 'eager'}))}")
+                          f"{', '.join(sorted({*compile_backends(), 'aot_eager', 'eager'}))}")
     for block in model.layers:
         block.compile(backend=backend)

@@ -16,7 +16,8 @@ from torch.distributed.fsdp import (
     fully_shard,
 )
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+from shardlm._torch_compat import compute_local_shape_and_global_offset
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 

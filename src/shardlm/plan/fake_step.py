@@ -23,7 +23,7 @@ from shardlm.models import ModelConfig, get_preset
 from shardlm.parallel.dims import ParallelDims
 from shardlm.parallel.fsdp import clip_grad_norm_
 from shardlm.plan.report import OFFLOADED, flat
-from shardlm.plan.tracker import tracker_class
+from shardlm.plan.tracker import PlanTracker
 from shardlm.train.optim import build_optimizer
 from shardlm.train.step import forward_backward
 
@@ -157,9 +157,7 @@ def training_step(model, optimizer, pairs, batches, dims: ParallelDims, cfg: Con
 
 def fake_step(cfg: Config, world_size: int, mc: ModelConfig | None = None, phases: bool = False) -> StepMemory:
     """One fake training step of `cfg` on `world_size` ranks, every layer of its model (or of `mc`)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    from shardlm._torch_compat import FakeStore
+    from shardlm._torch_compat import FakeStore, FakeTensorMode
 
     dims = ParallelDims(cfg.parallel.dp_replicate, cfg.parallel.dp_shard, world_size)
     mc = mc if mc is not None else model_config(cfg)[0]
@@ -179,7 +177,7 @@ def fake_step(cfg: Config, world_size: int, mc: ModelConfig | None = None, phase
             batches = [(torch.zeros(t.micro_batch_size, d.seq_len, dtype=torch.long, device=dev),
                         torch.zeros(t.micro_batch_size, d.seq_len, dtype=torch.long, device=dev))
                        for _ in range(n_micro)]
-            tracker = tracker_class()(model, optimizer)
+            tracker = PlanTracker(model, optimizer)
             tracker.phases = {} if phases else None
             tracker.track_inputs(tuple(batches))
             with tracker:

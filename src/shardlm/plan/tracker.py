@@ -4,60 +4,62 @@ from __future__ import annotations
 
 import torch
 
+from shardlm._torch_compat import (UPDATE_PEAK_STATS, FSDPMemTracker, tracker_categories, tracker_current,
+                                   tracker_module_state, tracker_peaks)
 from shardlm.plan.report import OFFLOADED
 
 
-def tracker_class():
-    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPRefType
+class PlanTracker(FSDPMemTracker):
+    """FSDPMemTracker, lighter and with one more number.
 
-    class PlanTracker(FSDPMemTracker):
-        """FSDPMemTracker, lighter and with one more number.
+    `_update_peak_stats` runs after every op; upstream it also refreshes the per-module peaks of
+    every active module (O(modules) per op), which the planner does not read. Here: the global
+    peak snapshot (as upstream) and the peak of what stays on the GPU under CPU offload. The
+    tracker's private state is read through shardlm._torch_compat.
+    """
 
-        `_update_peak_stats` runs after every op; upstream it also refreshes the per-module peaks of
-        every active module (O(modules) per op), which the planner does not read. Here: the global
-        peak snapshot (as upstream) and the peak of what stays on the GPU under CPU offload.
-        """
+    offload_peak = 0
+    phase = "step"  # set by `training_step`: "mb0", "mb1", "clip", "optim"
+    phases: dict | None = None  # when a dict: per-phase peaks, for `extrapolate_peak` (see there)
+    _offloaded_keys = tracker_categories(OFFLOADED)
 
-        offload_peak = 0
-        phase = "step"  # set by `training_step`: "mb0", "mb1", "clip", "optim"
-        phases: dict | None = None  # when a dict: per-phase peaks, for `_extrapolate` (see there)
+    def _update_peak_stats(self, peak_state):  # overrides compat.UPDATE_PEAK_STATS
+        curr = tracker_current(self)
+        if curr is None:  # a torch whose internals differ: fall back to the upstream bookkeeping
+            return super()._update_peak_stats(peak_state)
+        peak_mem, peak_snap = tracker_peaks(self)
+        total_all = off_all = 0
+        for dev, dev_snap in curr.items():
+            total = dev_snap["Total"]
+            if peak_mem.get(dev, 0) < total:
+                peak_mem[dev] = total
+                peak_snap[dev] = dict(dev_snap)
+            off = total - sum(dev_snap.get(k, 0) for k in self._offloaded_keys)
+            if off > self.offload_peak:
+                self.offload_peak = off
+            total_all += total
+            off_all += off
+        if self.phases is not None:  # per-phase peaks: [total, snapshot at it, offload peak]
+            key = phase_key(self.phase, *tracker_module_state(self))
+            rec = self.phases.get(key)
+            if rec is None:
+                self.phases[key] = [total_all, {d: dict(v) for d, v in curr.items()}, off_all]
+            else:
+                if total_all > rec[0]:
+                    rec[0], rec[1] = total_all, {d: dict(v) for d, v in curr.items()}
+                if off_all > rec[2]:
+                    rec[2] = off_all
 
-        def _update_peak_stats(self, peak_state):
-            curr = getattr(self, "_curr_mem_snap", None)
-            if curr is None:  # a torch whose internals differ: fall back to the upstream bookkeeping
-                return super()._update_peak_stats(peak_state)
-            total_all = off_all = 0
-            for dev, dev_snap in curr.items():
-                total = dev_snap["Total"]
-                if self._peak_mem.get(dev, 0) < total:
-                    self._peak_mem[dev] = total
-                    self._peak_mem_snap[dev] = dict(dev_snap)
-                off = total - sum(dev_snap.get(k, 0) for k in self._offloaded_keys)
-                if off > self.offload_peak:
-                    self.offload_peak = off
-                total_all += total
-                off_all += off
-            if self.phases is not None:  # per-phase peaks: [total, snapshot at it, offload peak]
-                key = phase_key(self.phase, self._mod_tracker.parents, self._mod_tracker.is_bw)
-                rec = self.phases.get(key)
-                if rec is None:
-                    self.phases[key] = [total_all, {d: dict(v) for d, v in curr.items()}, off_all]
-                else:
-                    if total_all > rec[0]:
-                        rec[0], rec[1] = total_all, {d: dict(v) for d, v in curr.items()}
-                    if off_all > rec[2]:
-                        rec[2] = off_all
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        # `tensor.device` on a fake tensor is itself an op (prim.device) and the autograd engine
+        # asks it hundreds of times per block: it allocates nothing, skip the bookkeeping.
+        if func is _PRIM_DEVICE:
+            return func(*args, **(kwargs or {}))
+        return super().__torch_dispatch__(func, types, args, kwargs)
 
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            # `tensor.device` on a fake tensor is itself an op (prim.device) and the autograd engine
-            # asks it hundreds of times per block: it allocates nothing, skip the bookkeeping.
-            if func is _prim_device:
-                return func(*args, **(kwargs or {}))
-            return super().__torch_dispatch__(func, types, args, kwargs)
 
-    _prim_device = torch.ops.prim.device.default
-    PlanTracker._offloaded_keys = tuple(k for k in _FSDPRefType if k.value in OFFLOADED)
-    return PlanTracker
+assert hasattr(FSDPMemTracker, UPDATE_PEAK_STATS), "FSDPMemTracker changed: review shardlm/_torch_compat.py"
+_PRIM_DEVICE = torch.ops.prim.device.default
 
 
 def phase_key(phase: str, parents, is_bw: bool) -> tuple:

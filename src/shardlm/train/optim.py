@@ -6,7 +6,6 @@ import math
 
 import torch
 from torch import nn
-from torch.optim.lr_scheduler import LambdaLR
 
 from shardlm.config import TrainSection
 
@@ -37,14 +36,28 @@ def lr_factor(step: int, t: TrainSection) -> float:
     return t.min_lr_ratio + (1.0 - t.min_lr_ratio) * shape
 
 
-def build_lr_scheduler(opt: torch.optim.Optimizer, t: TrainSection, last_step: int = 0) -> LambdaLR:
+class LRSchedule:
+    """train.lr x `lr_factor(step)` written into every param group before each optimizer step (as nanoGPT
+    does): the position is one integer, the number of optimizer steps done, so a resume (also one that
+    changed train.lr or train.steps) continues the schedule it describes."""
+
+    def __init__(self, opt: torch.optim.Optimizer, t: TrainSection, step: int = 0):
+        self.opt, self.t = opt, t
+        self.set(step)
+
+    def set(self, step: int) -> None:
+        self.last_epoch = step  # the name torch's schedulers use for the same number
+        for group in self.opt.param_groups:
+            group["lr"] = self.t.lr * lr_factor(step, self.t)
+
+    def step(self) -> None:
+        """One optimizer step was applied (a skipped non-finite step is not one)."""
+        self.set(self.last_epoch + 1)
+
+    def get_last_lr(self) -> list[float]:
+        return [g["lr"] for g in self.opt.param_groups]
+
+
+def build_lr_scheduler(opt: torch.optim.Optimizer, t: TrainSection, last_step: int = 0) -> LRSchedule:
     """The schedule positioned at `last_step` optimizer steps done (0 = fresh; > 0 after a resume)."""
-    for group in opt.param_groups:  # the schedule follows train.lr, also after a resume that changed it
-        group["initial_lr"] = t.lr
-    sched = LambdaLR(opt, lambda step: lr_factor(step, t))
-    if last_step:
-        sched.last_epoch = last_step
-        for group in opt.param_groups:
-            group["lr"] = t.lr * lr_factor(last_step, t)
-        sched._last_lr = [g["lr"] for g in opt.param_groups]
-    return sched
+    return LRSchedule(opt, t, last_step)

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from shardlm._torch_compat import float8_linear_class
 from shardlm.build import build_model, build_model_config, uses_fp8_all_gather
 from shardlm.checkpoint import Checkpointer
 from shardlm.config import Config
@@ -303,7 +304,8 @@ class Trainer:
         t = self.cfg.train
         if t.mixed_precision != "fp8":
             return t.mixed_precision
-        n = sum(type(m).__name__ == "Float8Linear" for m in self.model.modules())
+        float8 = float8_linear_class()
+        n = sum(isinstance(m, float8) for m in self.model.modules()) if float8 else 0
         extra = ", float8 all-gather" if self.fp8_all_gather else ""
         return f"fp8 {t.fp8_recipe}{' emulated' if t.fp8_emulate else ''} ({n} float8 linears{extra})"
 
