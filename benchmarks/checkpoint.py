@@ -130,7 +130,8 @@ def main() -> None:
         trainer = Trainer(cfg)
         ck_sync = trainer.checkpointer
         ck_async = Checkpointer(dataclasses.replace(cfg.checkpoint, async_=True, dir=str(tmp / "ckpt-async")),
-                                tmp / "ckpt-async", rank, log=trainer.log)
+                                tmp / "ckpt-async", rank, trainer.model, trainer.optimizer,
+                                {"trainer": trainer.state}, log=trainer.log)
     model, opt = trainer.model, trainer.optimizer
 
     def train(n: int, save_at: int | None, ck: Checkpointer) -> None:
@@ -151,7 +152,7 @@ def main() -> None:
     def dcp_save() -> None:
         step_id[0] += 1
         with contextlib.redirect_stdout(log):
-            ck_sync.save(step_id[0], model, opt, trainer.trainer_state(), blocking=True)
+            ck_sync.save(step_id[0], blocking=True)
 
     full_file = tmp / "full.pt"
     full_opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -161,7 +162,7 @@ def main() -> None:
         osd = get_optimizer_state_dict(model, opt, options=full_opts)
         if rank0:
             with open(full_file, "wb") as f:
-                torch.save({"model": msd, "optim": osd, "trainer": trainer.trainer_state()}, f)
+                torch.save({"model": msd, "optim": osd, "trainer": trainer.state.state_dict()}, f)
                 f.flush()
                 os.fsync(f.fileno())
         del msd, osd

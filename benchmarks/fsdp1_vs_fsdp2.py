@@ -216,8 +216,9 @@ class FSDP2Setup(Setup):
         return local_bytes(p.grad for p in self.model.parameters() if p.grad is not None)
 
     def save(self, folder: Path, step: int) -> Path:
-        ck = Checkpointer(self.cfg.checkpoint, folder, dist.get_rank(), log=lambda line: None)
-        ck.save(step, self.model, self.optimizer, {"step": torch.tensor(step)}, blocking=True)
+        ck = Checkpointer(self.cfg.checkpoint, folder, dist.get_rank(), self.model, self.optimizer,
+                          {"trainer": {"step": torch.tensor(step)}}, log=lambda line: None)
+        ck.save(step, blocking=True)
         return folder / f"step-{step}"
 
 

@@ -17,6 +17,7 @@ import shutil
 import time
 from concurrent.futures import Future
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -73,6 +74,11 @@ def _first_failure(e: BaseException) -> str:
     return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
 
 
+def _tensors(state: Any) -> dict:
+    """A state's values now (a Stateful's `state_dict()`): what async_save stages is this step's."""
+    return state.state_dict() if hasattr(state, "state_dict") else state
+
+
 class SafeLoadPlanner(DefaultLoadPlanner):
     """DCP's planner, but non-tensor values (optimizer hyperparameters) are read with
     `torch.load(weights_only=True)`: plain numbers and containers, never arbitrary pickles."""
@@ -86,8 +92,18 @@ class SafeLoadPlanner(DefaultLoadPlanner):
 
 
 class Checkpointer:
-    def __init__(self, cfg: CheckpointSection, folder: Path, rank: int, log=print, trainable_only: bool = False):
+    """Owns what a checkpoint holds and when one is written.
+
+    `model` and `optimizer` go through `get_state_dict`/`set_state_dict` (sharded, reshardable: a
+    plain `optimizer.state_dict()` would silently reset the AdamW moments on load); every entry of
+    `states` is a `Stateful` (or a dict of tensors) saved and loaded under its key, e.g. the
+    trainer's step, RNG and data position.
+    """
+
+    def __init__(self, cfg: CheckpointSection, folder: Path, rank: int, model: nn.Module,
+                 optimizer: torch.optim.Optimizer, states: dict[str, Any], log=print, trainable_only: bool = False):
         self.cfg, self.folder, self.rank, self.log = cfg, folder, rank, log
+        self.model, self.optimizer, self.states = model, optimizer, states
         # trainable_only (LoRA adapters_only): the frozen base is not saved; it is re-read from its source.
         self.options = StateDictOptions(ignore_frozen_params=trainable_only, strict=not trainable_only)
         self._pending: tuple[Future, Path, Path] | None = None
@@ -121,15 +137,15 @@ class Checkpointer:
         return [p]
 
     # -- loading -----------------------------------------------------------------------------------
-    def load(self, model: nn.Module, optimizer: torch.optim.Optimizer, trainer_state: dict) -> Path | None:
-        """Load the first loadable candidate into model/optimizer/trainer_state (in place); None if none.
+    def load(self) -> Path | None:
+        """Load the first loadable candidate into the model, optimizer and states (in place); None if none.
 
         With `auto`, a checkpoint that fails to load is reported and the next older one is tried.
         """
         candidates = self.resume_candidates()
         for i, path in enumerate(candidates):
             try:
-                self._load(path, model, optimizer, trainer_state)
+                self._load(path)
                 return path
             except CheckpointError:
                 raise
@@ -144,31 +160,40 @@ class Checkpointer:
                                           "(checkpoint.resume=none starts fresh)") from None
         return None
 
-    def _load(self, path: Path, model, optimizer, trainer_state: dict) -> None:
+    def _load(self, path: Path) -> None:
         keys = read_keys(path)
-        if "trainer.step" not in keys or not any(k.startswith("optim.") for k in keys):
+        if not all(any(k.startswith(f"{name}.") for k in keys) for name in ("optim", *self.states)):
             raise CheckpointError(f"{path} holds the model only (checkpoint.model_only); training cannot resume "
                                   "from it: pass a full checkpoint or checkpoint.resume=none")
-        model_sd, optim_sd = get_state_dict(model, optimizer, options=self.options)
-        state = {"model": model_sd, "optim": optim_sd, "trainer": trainer_state}
-        dcp.load(state, checkpoint_id=str(path), planner=SafeLoadPlanner())
-        set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd, options=self.options)
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=self.options)
+        dcp.load({"model": model_sd, "optim": optim_sd, **self.states}, checkpoint_id=str(path),
+                 planner=SafeLoadPlanner())
+        set_state_dict(self.model, self.optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd,
+                       options=self.options)
 
     # -- saving ------------------------------------------------------------------------------------
-    def save(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer | None, trainer_state: dict,
-             blocking: bool = False) -> None:
-        """Write step-N (model only when optimizer is None). Async unless `blocking` or not configured."""
+    def due(self, step: int, final: bool, stopped: bool) -> bool:
+        """Whether step `step` ends with a checkpoint: a stop request, the last step (checkpoint.save_final)
+        or a multiple of checkpoint.interval."""
+        c = self.cfg
+        return stopped or (final and c.save_final) or (c.interval > 0 and step % c.interval == 0)
+
+    def save(self, step: int, final: bool = False, blocking: bool = False) -> None:
+        """Write step-N: the model only when `final` and checkpoint.model_only. Async unless `blocking`,
+        `final` or not configured."""
+        model_only = final and self.cfg.model_only
+        blocking = blocking or final
         self.wait()  # one save in flight at a time
         final, tmp = self.folder / f"step-{step}", self.folder / f".step-{step}.partial"
         if self.rank == 0:
             self.folder.mkdir(parents=True, exist_ok=True)
             shutil.rmtree(tmp, ignore_errors=True)
         dist.barrier()
-        if optimizer is None:
-            state = {"model": get_model_state_dict(model, options=self.options)}
+        if model_only:
+            state = {"model": get_model_state_dict(self.model, options=self.options)}
         else:
-            model_sd, optim_sd = get_state_dict(model, optimizer, options=self.options)
-            state = {"model": model_sd, "optim": optim_sd, "trainer": trainer_state}
+            model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=self.options)
+            state = {"model": model_sd, "optim": optim_sd, **{k: _tensors(v) for k, v in self.states.items()}}
         if self.cfg.async_ and not blocking:
             # async_save copies the state to host memory before returning: what lands on disk is
             # this step's state even though training goes on and changes the parameters.
@@ -218,7 +243,10 @@ class Checkpointer:
             shutil.rmtree(p, ignore_errors=True)
 
     def close(self) -> None:
+        """Finish the in-flight save and let go of the model (its FSDP state holds the process groups)."""
         self.wait()
+        self.model = self.optimizer = None
+        self.states = {}
         if self._async_group is not None:
             dist.destroy_process_group(self._async_group)
             self._async_group = None

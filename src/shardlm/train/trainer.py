@@ -30,6 +30,7 @@ from shardlm.parallel.fsdp import clip_grad_norm_
 from shardlm.quant.fp8 import precompute_fp8_scales
 from shardlm.train.optim import build_lr_scheduler, build_optimizer
 from shardlm.train.preemption import Preemption
+from shardlm.train.state import TrainState
 from shardlm.train.step import Batch, forward_backward
 
 
@@ -125,11 +126,15 @@ class Trainer:
         self.fp8_all_gather = uses_fp8_all_gather(cfg, self.env.device)
         self.skipped_in_row = self.skipped_total = 0
         self.optimizer = build_optimizer(self.model, cfg.train, self.env.device)
-        self.checkpointer = Checkpointer(cfg.checkpoint, self.checkpoint_dir, self.env.rank, log=self.log,
+        self.state = TrainState(self.loader, self.env.device)
+        self.checkpointer = Checkpointer(cfg.checkpoint, self.checkpoint_dir, self.env.rank, self.model,
+                                         self.optimizer, {"trainer": self.state}, log=self.log,
                                          trainable_only=cfg.lora.adapters_only)
         self.checkpointer.sidecar_files.update(sidecar_files(cfg, self.model_cfg))
-        self.step = 0
-        self.step = self.resume()
+        self.resumed_from = self.checkpointer.load()
+        if self.resumed_from is not None:
+            self.log(f"checkpoint: resumed from {self.resumed_from} at step {self.step} "
+                     f"({self.loader.samples_seen} samples consumed)")
         self.scheduler = build_lr_scheduler(self.optimizer, cfg.train, last_step=self.step)
         if self.is_rank0:
             prepare_metrics_file(self.output_dir, self.step if self.resumed_from else None)
@@ -149,34 +154,17 @@ class Trainer:
         elif self.is_rank0:
             print(line, flush=True)
 
-    # -- checkpoint state ------------------------------------------------------------------------
-    def trainer_state(self) -> dict[str, torch.Tensor]:
-        """What the checkpoint holds besides model and optimizer (tensors, so DCP needs no pickles)."""
-        state = {"step": torch.tensor(self.step), "samples_seen": torch.tensor(self.loader.samples_seen),
-                 "rng_cpu": torch.get_rng_state()}
-        if self.env.device.type == "cuda":
-            state["rng_cuda"] = torch.cuda.get_rng_state(self.env.device)
-        return state
+    @property
+    def step(self) -> int:
+        """Optimizer steps done (the checkpointed TrainState's)."""
+        return self.state.step
 
-    def resume(self) -> int:
-        """Load the checkpoint that checkpoint.resume names (or auto-finds); returns the step to start at."""
-        state = self.trainer_state()
-        self.resumed_from = self.checkpointer.load(self.model, self.optimizer, state)
-        if self.resumed_from is None:
-            return 0
-        self.loader.load_state_dict({"samples_seen": int(state["samples_seen"])})
-        torch.set_rng_state(state["rng_cpu"])
-        if "rng_cuda" in state:
-            torch.cuda.set_rng_state(state["rng_cuda"], self.env.device)
-        step = int(state["step"])
-        self.log(f"checkpoint: resumed from {self.resumed_from} at step {step} "
-                 f"({self.loader.samples_seen} samples consumed)")
-        return step
+    @step.setter
+    def step(self, value: int) -> None:
+        self.state.step = value
 
     def save(self, final: bool = False, blocking: bool = False) -> None:
-        model_only = final and self.cfg.checkpoint.model_only
-        self.checkpointer.save(self.step, self.model, None if model_only else self.optimizer, self.trainer_state(),
-                               blocking=blocking or final)
+        self.checkpointer.save(self.step, final=final, blocking=blocking)
 
     def build_data(self):
         d, t = self.cfg.data, self.cfg.train
@@ -244,7 +232,7 @@ class Trainer:
 
     def train(self) -> list[dict]:
         """Run to train.steps optimizer steps (or until SIGTERM); returns the records logged by this process."""
-        t, c, log_every = self.cfg.train, self.cfg.checkpoint, self.cfg.metrics.log_every
+        t, log_every = self.cfg.train, self.cfg.metrics.log_every
         tokens_per_step = self.loader.global_batch * self.cfg.data.seq_len
         meter = Throughput(self.model_cfg.flops_per_token(self.cfg.data.seq_len), peak_flops(self.env.device),
                            self.env.world_size)
@@ -267,8 +255,7 @@ class Trainer:
             self.skipped_in_row = 0
             self.step += 1
             log_now = self.step % log_every == 0 or self.step == t.steps
-            save_now = (stopped or (self.step == t.steps and c.save_final)
-                        or (c.interval > 0 and self.step % c.interval == 0))
+            save_now = self.checkpointer.due(self.step, final=self.step == t.steps, stopped=stopped)
             loss_v = None
             if log_now or save_now:
                 dist.all_reduce(res.loss)  # each rank holds its share of the global mean
