@@ -145,6 +145,50 @@ def timed(fn) -> tuple[float, float]:
     return wall.item(), cpu.item()
 
 
+def measure_guard(trainer: Trainer, base_cfg, steps: int, log) -> dict:
+    """Collectives per step of Trainer.train() (counted by wrapping torch.distributed) and the time of
+    the step's norm all-reduce + clip + the guard's host read (wrapping the trainer's clip_grad_norm_)."""
+    import shardlm.train.trainer as T
+
+    counts: dict[str, int] = {}
+    clip_s = [0.0]
+    wrapped = {name: getattr(dist, name) for name in ("all_reduce", "all_gather", "broadcast", "reduce_scatter_tensor")}
+
+    def counting(name, fn):
+        def f(*a, **k):
+            counts[name] = counts.get(name, 0) + 1
+            return fn(*a, **k)
+        return f
+
+    real_clip = T.clip_grad_norm_
+
+    def timed_clip(*a, **k):
+        t0 = time.perf_counter()
+        norm = real_clip(*a, **k)
+        norm.item()  # the guard's read (the trainer reads it again: cached, the value is on the host)
+        clip_s[0] += time.perf_counter() - t0
+        return norm
+
+    prepare_shardlm(trainer, base_cfg, steps)
+    for name, fn in wrapped.items():
+        setattr(dist, name, counting(name, fn))
+    T.clip_grad_norm_ = timed_clip
+    try:
+        with contextlib.redirect_stdout(log):
+            w0 = time.perf_counter()
+            trainer.train()
+            wall = time.perf_counter() - w0
+    finally:
+        for name, fn in wrapped.items():
+            setattr(dist, name, fn)
+        T.clip_grad_norm_ = real_clip
+    logged = steps // base_cfg.metrics.log_every  # each logged step all-reduces the loss once more
+    per_step = (sum(counts.values()) - logged) / steps
+    by_op = ", ".join(f"{k} {v}" for k, v in sorted(counts.items()))
+    return {"steps": steps, "collectives": per_step, "by_op": f"{by_op} in all, {logged} of them loss logging",
+            "clip_ms": 1e3 * clip_s[0] / steps, "clip_share": clip_s[0] / wall}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=60, help="timed steps per round and per loop (default 60)")
@@ -202,6 +246,7 @@ def main() -> None:
             print(f"round {r + 1}/{args.rounds}: shardlm {a:,.0f} tok/s, minimal {b:,.0f} tok/s, "
                   f"ratio {a / b:.3f} (CPU-time ratio {cpu['B'] / cpu['A']:.3f})", flush=True)
 
+    guard = measure_guard(trainer, cfg, args.chunk, log)
     mc = trainer.model_cfg
     med_a = statistics.median(r[1] for r in rows)
     med_b = statistics.median(r[2] for r in rows)
@@ -229,6 +274,11 @@ def main() -> None:
     lines.append(f"{'median':>6}  {med_a:>15,.0f}  {med_b:>15,.0f}  {ratio:>6.3f}  {cpu_ratio:>15.3f}")
     lines.append("")
     lines.append(f"overhead: shardlm / minimal = {ratio:.2f}x (target >= {TARGET:.2f}x)")
+    lines.append("")
+    lines.append(f"non-finite guard ({guard['steps']} more steps of A, counted): {guard['collectives']:.2f} collectives "
+                 f"per step ({guard['by_op']}) = the token count + the grad norm, none of the guard's own (its flag "
+                 f"rides on the norm's all-reduce); clip + flag + host read of the norm "
+                 f"{guard['clip_ms']:.2f} ms/step = {guard['clip_share']:.1%} of the step")
     if rank0:
         report(lines, RESULT if args.save else None)
 
