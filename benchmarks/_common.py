@@ -15,7 +15,6 @@ import gc
 import json
 import os
 import shutil
-import sysconfig
 import tempfile
 import threading
 import time
@@ -25,6 +24,8 @@ from typing import Callable, Iterable, Sequence
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
+
+from shardlm.data.sources import builtin_files, stdlib_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 MiB = 2**20
@@ -196,9 +197,12 @@ def clear(path: Path) -> None:
 
 def write_corpus(path: Path, n_bytes: int, patterns: Sequence[str] = ("*.py",)) -> None:
     """~n_bytes of the running Python's stdlib sources, one .jsonl record (document) per file: the files
-    matching each glob pattern (relative to the stdlib dir) in turn, each pattern's files sorted."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    files = [f for pattern in patterns for f in sorted(root.glob(pattern))]
+    matching each glob pattern (relative to the stdlib dir, e.g. `*/*.py`: one folder down) in turn, each
+    pattern's files sorted; from `builtin_files`, so installed packages (site-packages) are left out."""
+    root, depths = stdlib_dir(), [len(Path(p).parts) for p in patterns]
+    stdlib = builtin_files(max_depth=max(depths) - 1)
+    files = [f for p, n in zip(patterns, depths)
+             for f in sorted(f for f in stdlib if len(f.relative_to(root).parts) == n and f.relative_to(root).match(p))]
     total = 0
     with open(path, "w") as out:
         for f in files:

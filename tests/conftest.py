@@ -2,17 +2,17 @@
 
 from __future__ import annotations
 
-import sysconfig
 from pathlib import Path
 
 import pytest
 
+from shardlm.data.sources import builtin_files
+
 
 def write_corpus(path: Path, n_bytes: int = 200_000) -> Path:
-    """A deterministic text file of ~n_bytes taken from the standard library's sources."""
-    root = Path(sysconfig.get_paths()["stdlib"])
+    """A deterministic text file of ~n_bytes taken from the standard library's top-level modules."""
     out, size = [], 0
-    for f in sorted(root.glob("*.py")):
+    for f in builtin_files(max_depth=0):
         text = f.read_text(encoding="utf-8", errors="ignore")
         out.append(text)
         size += len(text)

@@ -5,10 +5,10 @@ import json
 import numpy as np
 import pytest
 
-from shardlm.data import PackedLoader, build_loader, load_tokenizer, resolve_files
+from shardlm.data import PackedLoader, build_packed_loader, load_tokenizer, resolve_files
 from shardlm.data.sources import builtin_files, iter_documents
 from shardlm.data.tokenizer import ByteTokenizer
-from shardlm.errors import ConfigError
+from shardlm.errors import ConfigError, DataError
 
 
 def test_builtin_corpus_is_the_stdlib():
@@ -27,7 +27,7 @@ def test_sources_txt_jsonl_and_bad_utf8(tmp_path, capsys):
     assert list(iter_documents(files, "body")) == ["hello", "one", "two"]
     err = capsys.readouterr().err
     assert "warning: skipping" in err and "c.txt: not valid UTF-8" in err
-    with pytest.raises(ConfigError, match=r"b.jsonl:1: no string field 'text'"):
+    with pytest.raises(DataError, match=r"b.jsonl:1: no string field 'text'"):
         list(iter_documents(files, "text"))
 
 
@@ -50,20 +50,20 @@ def _loader_kwargs(**kw):
 
 def test_empty_corpus_is_a_clear_error(tmp_path):
     (tmp_path / "empty.txt").write_text("")
-    with pytest.raises(ConfigError, match="corpus is empty"):
-        build_loader(resolve_files(str(tmp_path)), ByteTokenizer(), "text", tmp_path / "cache", **_loader_kwargs())
+    with pytest.raises(DataError, match="corpus is empty"):
+        build_packed_loader(resolve_files(str(tmp_path)), ByteTokenizer(), "text", tmp_path / "cache", **_loader_kwargs())
     (tmp_path / "empty.txt").write_text("abc")
-    with pytest.raises(ConfigError, match="fewer than data.seq_len"):
-        build_loader(resolve_files(str(tmp_path)), ByteTokenizer(), "text", tmp_path / "cache", **_loader_kwargs())
+    with pytest.raises(DataError, match="fewer than data.seq_len"):
+        build_packed_loader(resolve_files(str(tmp_path)), ByteTokenizer(), "text", tmp_path / "cache", **_loader_kwargs())
 
 
 def test_token_file_is_documents_with_eos_and_cached(tmp_path):
     (tmp_path / "d.jsonl").write_text('{"text": "ab"}\n{"text": "c"}\n')
     files = resolve_files(str(tmp_path))
-    loader, meta = build_loader(files, ByteTokenizer(), "text", tmp_path / "cache", **_loader_kwargs(seq_len=2))
+    loader, meta = build_packed_loader(files, ByteTokenizer(), "text", tmp_path / "cache", **_loader_kwargs(seq_len=2))
     assert list(loader.tokens) == [97, 98, 256, 99, 256] and meta == {"dtype": "uint16", "documents": 2, "tokens": 5}
     cached = sorted((tmp_path / "cache").iterdir())
-    build_loader(files, ByteTokenizer(), "text", tmp_path / "cache", **_loader_kwargs(seq_len=2))
+    build_packed_loader(files, ByteTokenizer(), "text", tmp_path / "cache", **_loader_kwargs(seq_len=2))
     assert sorted((tmp_path / "cache").iterdir()) == cached  # reused, not rebuilt
 
 
@@ -127,7 +127,76 @@ def test_hf_tokenizer_json(tmp_path):
     ids = hf.encode("def foo(): return 1")
     assert hf.decode(ids).strip() == "def foo(): return 1"
     (tmp_path / "d.txt").write_text("def foo(): return 1\n" * 20)
-    loader, meta = build_loader([tmp_path / "d.txt"], hf, "text", tmp_path / "cache", **_loader_kwargs(seq_len=4))
+    loader, meta = build_packed_loader([tmp_path / "d.txt"], hf, "text", tmp_path / "cache", **_loader_kwargs(seq_len=4))
     assert loader.tokens[-1] == hf.eos_id and meta["tokens"] == len(hf.encode((tmp_path / "d.txt").read_text())) + 1
     with pytest.raises(ConfigError, match="no tokenizer.json there"):
         load_tokenizer(str(tmp_path / "nope"))
+
+
+def test_sample_order_state_is_a_tensor_and_resumes_from_one():
+    import torch
+
+    from shardlm.data import SampleOrder
+
+    order = SampleOrder(10, micro_batch_size=2, grad_accum=2, dp_rank=1, dp_size=2, seed=1)
+    assert order.global_batch == 8
+    steps = [order.rows_for_step() for _ in range(3)]
+    assert all(len(s) == 2 and all(len(mb) == 2 for mb in s) for s in steps)
+    state = order.state_dict()
+    assert set(state) == {"samples_seen"} and isinstance(state["samples_seen"], torch.Tensor)
+    assert int(state["samples_seen"]) == 24
+    again = SampleOrder(10, 2, 2, 1, 2, seed=1)
+    again.load_state_dict({"samples_seen": 16})  # a plain int too
+    assert again.rows_for_step() == steps[2]
+    loader = PackedLoader(np.arange(200, dtype=np.uint16), 8, 2, 1, 0, 1)
+    loader.next_step()
+    sd = loader.state_dict()
+    assert isinstance(sd["samples_seen"], torch.Tensor) and loader.samples_seen == 2
+    fresh = PackedLoader(np.arange(200, dtype=np.uint16), 8, 2, 1, 0, 1)
+    fresh.load_state_dict(sd)
+    assert fresh.samples_seen == 2 and [x.tolist() for x, _ in fresh.next_step()] == \
+        [x.tolist() for x, _ in loader.next_step()]
+
+
+def test_build_loader_branches_on_the_format_with_one_stats_shape(tmp_path):
+    from shardlm.config import Config
+    from shardlm.data import build_loader
+    from shardlm.data.sft import SFTLoader
+
+    (tmp_path / "t.txt").write_text("hello world, " * 20)
+    (tmp_path / "s.jsonl").write_text("".join(json.dumps({"prompt": f"q{i}", "completion": "a" * i}) + "\n"
+                                              for i in range(1, 6)))
+    shapes, logs = [], []
+    for fmt, path in (("text", "t.txt"), ("sft", "s.jsonl")):
+        cfg = Config()
+        cfg.data.format, cfg.data.path, cfg.data.seq_len = fmt, str(tmp_path / path), 32
+        cfg.data.cache_dir = str(tmp_path / "cache")
+        loader, stats = build_loader(cfg, ByteTokenizer(), 0, 1, is_builder=True, barrier=lambda: None,
+                                     log=logs.append)
+        assert isinstance(loader, SFTLoader if fmt == "sft" else PackedLoader)
+        assert stats["format"] == fmt and stats["rows"] == loader.n_rows and stats["tokens"] > 0
+        shapes.append(set(stats))
+        if fmt == "text":
+            assert stats["documents"] == 1 and stats["tokens"] == 13 * 20 + 1 and stats["fill"] == 1.0
+            assert stats["template"] is None and not logs
+        else:
+            assert stats["documents"] == stats["samples"] == 5 and stats["template"] == "plain"
+            assert len(logs) == 1 and logs[0].startswith("sft data: 5 samples") and f"{loader.n_rows} rows" in logs[0]
+    assert shapes[0] == shapes[1]
+
+
+def test_builtin_files_depths_are_the_top_level_and_one_folder_down():
+    from shardlm.data.sources import stdlib_dir
+
+    root = stdlib_dir()
+    top = builtin_files(max_depth=0)
+    assert top == sorted(root.glob("*.py")) and top == builtin_files()[: len(top)]
+    one = builtin_files(max_depth=1)
+    want = [f for f in sorted(root.glob("*/*.py")) if f.parent.name not in ("site-packages", "dist-packages")]
+    assert one[: len(top)] == top and one[len(top):] == want
+
+
+def test_unreadable_tokenizer_is_a_data_error(tmp_path):
+    (tmp_path / "tokenizer.json").write_text("{not json")
+    with pytest.raises(DataError, match="cannot read tokenizer"):
+        load_tokenizer(str(tmp_path))

@@ -50,3 +50,10 @@ def test_tensorboard_events(tmp_path):
     log.log(dict(zip(FIELDS, (1, 2.5, 1e-3, 0.7, 1234.0, None, 0.5, 1.0))))
     log.close()
     assert list((tmp_path / "tb").glob("events.out.tfevents.*"))
+
+
+def test_peak_memory_reader_on_cpu_is_the_peak_rss():
+    from shardlm.observe.metrics import read_and_reset_peak_memory_gib
+
+    first = read_and_reset_peak_memory_gib(torch.device("cpu"))
+    assert 0 < first <= read_and_reset_peak_memory_gib(torch.device("cpu"))  # peak RSS never goes down

@@ -15,7 +15,7 @@ from shardlm.data.sft import (
     pack_best_fit,
 )
 from shardlm.data.tokenizer import ByteTokenizer, load_tokenizer
-from shardlm.errors import ConfigError
+from shardlm.errors import ConfigError, DataError
 
 CHATML = (
     "{{ bos_token }}"
@@ -67,9 +67,9 @@ def _kw(**kw):
 def _sample_rows(loader):
     """Each row as (inputs, labels) lists, trailing padding dropped (pad mode: one sample per row)."""
     out = []
-    for w in range(loader.n_windows):
+    for w in range(loader.n_rows):
         x, y = loader.row(w)
-        n = sum(int(loader._len[i]) for i in loader.row_samples(w))
+        n = sum(int(loader.lengths[i]) for i in loader.row_samples(w))
         out.append((x[:n].tolist(), y[:n].tolist()))
     return out
 
@@ -175,23 +175,23 @@ def test_chat_template_errors_name_the_record(tmp_path, bpe_dir):
     f = _jsonl(tmp_path / "d.jsonl", [{"prompt": "a", "completion": "b"},
                                       {"messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"},
                                                     {"role": "assistant", "content": "c"}]}])
-    with pytest.raises(ConfigError, match=r"d.jsonl:2: the chat template refused this record: roles must alternate"):
+    with pytest.raises(DataError, match=r"d.jsonl:2: the chat template refused this record: roles must alternate"):
         build_sft_loader([f], tok, bpe_dir, **_kw())
     # content rendered changed (upper) and partial renders not prefixes (the "!" after the last message)
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(
         {"chat_template": "{% for m in messages %}{{ m['content'] | upper }}{% if loop.last %}!{% endif %}{% endfor %}"}))
-    with pytest.raises(ConfigError, match=r"d.jsonl:1: the chat template does not render assistant message 1 verbatim"):
+    with pytest.raises(DataError, match=r"d.jsonl:1: the chat template does not render assistant message 1 verbatim"):
         build_sft_loader([f], ByteTokenizer(), tmp_path, **_kw())
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{% for %}"}))
-    with pytest.raises(ConfigError, match="chat template: syntax error"):
+    with pytest.raises(DataError, match="chat template: syntax error"):
         build_sft_loader([f], ByteTokenizer(), tmp_path, **_kw())
 
 
 def test_chat_template_jinja_file_and_sandbox(tmp_path):
     (tmp_path / "chat_template.jinja").write_text("{{ ''.__class__.__mro__ }}{{ messages[0]['content'] }}")
     f = _jsonl(tmp_path / "d.jsonl", [{"prompt": "a", "completion": "b"}])
-    with pytest.raises(ConfigError, match=r"d.jsonl:1: the chat template refused this record: .*unsafe"):
-        build_sft_loader([f], ByteTokenizer(), tmp_path / "tokenizer.json", **_kw())  # the sandbox holds
+    with pytest.raises(DataError, match=r"d.jsonl:1: the chat template refused this record: .*unsafe"):
+        build_sft_loader([f], ByteTokenizer(), tmp_path, **_kw())  # the sandbox holds
     (tmp_path / "chat_template.jinja").write_text(
         "{% for m in messages %}{{ m['role'][0] }}:{{ m['content'] }}|{% endfor %}{{ messages | tojson }}")
     out = ChatTemplate.from_dir(tmp_path).render([{"role": "user", "content": "é"}])
@@ -224,7 +224,7 @@ def test_alpaca_shape_with_and_without_input(tmp_path):
 def test_bad_record_names_file_line_and_shapes(tmp_path, record, why):
     f = tmp_path / "d.jsonl"
     f.write_text(json.dumps({"prompt": "a", "completion": "b"}) + "\n\n" + json.dumps(record) + "\n")
-    with pytest.raises(ConfigError) as e:
+    with pytest.raises(DataError) as e:
         build_sft_loader([f], ByteTokenizer(), None, **_kw())
     msg = str(e.value)
     assert msg.startswith(f"{f}:3: ") and re.search(why, msg.split(";")[0]), msg
@@ -233,13 +233,13 @@ def test_bad_record_names_file_line_and_shapes(tmp_path, record, why):
 
 def test_bad_json_non_jsonl_and_empty_data_are_clear(tmp_path):
     (tmp_path / "d.jsonl").write_text('{"prompt": "a", "completion": "b"}\n{oops\n')
-    with pytest.raises(ConfigError, match=r"d.jsonl:2: not valid JSON"):
+    with pytest.raises(DataError, match=r"d.jsonl:2: not valid JSON"):
         build_sft_loader([tmp_path / "d.jsonl"], ByteTokenizer(), None, **_kw())
     (tmp_path / "t.txt").write_text("x")
     with pytest.raises(ConfigError, match="must be .jsonl"):
         build_sft_loader([tmp_path / "t.txt"], ByteTokenizer(), None, **_kw())
     (tmp_path / "e.jsonl").write_text("\n  \n")
-    with pytest.raises(ConfigError, match=r"^no SFT records found in .*e.jsonl") as e:
+    with pytest.raises(DataError, match=r"^no SFT records found in .*e.jsonl") as e:
         build_sft_loader([tmp_path / "e.jsonl"], ByteTokenizer(), None, **_kw())
     assert "\n" not in str(e.value)
 
@@ -258,7 +258,7 @@ def test_truncation_is_counted_and_answerless_samples_dropped(tmp_path):
     assert len(rows[0][0]) == 33 and _loss_ids(rows[0][1]) == [ord("c")] * 5 + [256]
     assert len(rows[1][0]) == 40 and _loss_ids(rows[1][1]) == [ord("c")] * (41 - head)
     assert stats["tokens"] == 34 + 41 and stats["loss_tokens"] == 6 + 13
-    with pytest.raises(ConfigError, match="no SFT sample has an answer token left within data.seq_len"):
+    with pytest.raises(DataError, match="no SFT sample has an answer token left within data.seq_len"):
         build_sft_loader([f], tok, None, **_kw(seq_len=8))
 
 
@@ -279,14 +279,14 @@ def test_pack_and_pad_shapes_and_no_label_crosses_samples():
     L = 24
     pad = SFTLoader(samples, L, micro_batch_size=4, grad_accum=2, dp_rank=0, dp_size=1, pack=False, pad_id=7)
     packed = SFTLoader(samples, L, micro_batch_size=4, grad_accum=2, dp_rank=0, dp_size=1, pack=True, pad_id=7)
-    assert pad.n_windows == 40 and packed.n_windows < 40 and packed.stats["fill"] > pad.stats["fill"]
+    assert pad.n_rows == 40 and packed.n_rows < 40 and packed.stats["fill"] > pad.stats["fill"]
     assert pad.stats["loss_tokens"] == packed.stats["loss_tokens"] == sum(sum(m[1:]) for _, m in samples)
     for loader in (pad, packed):
         for x, y in loader.next_step():
             assert x.shape == y.shape == (4, L) and x.dtype == y.dtype == torch_int64()
     # every sample appears exactly once, whole, in one row; between samples and after them nothing leaks
     seen = []
-    for w in range(packed.n_windows):
+    for w in range(packed.n_rows):
         x, y = packed.row(w)
         pos = 0
         for i in packed.row_samples(w):
@@ -302,7 +302,7 @@ def test_pack_and_pad_shapes_and_no_label_crosses_samples():
         sel = y != IGNORE_INDEX
         assert (y[sel] // 1000 == x[sel] // 1000).all() and (y[sel] == x[sel] + 1).all()
     assert sorted(seen) == list(range(40))
-    for w in range(pad.n_windows):
+    for w in range(pad.n_rows):
         assert pad.row_samples(w) == [w]
 
 
@@ -325,8 +325,8 @@ def test_build_sft_loader_pack_option(tmp_path):
     f = _jsonl(tmp_path / "d.jsonl", [{"prompt": f"q{i}", "completion": "a" * i} for i in range(1, 30)])
     packed, s1 = build_sft_loader([f], ByteTokenizer(), None, **_kw(seq_len=64, pack=True))
     padded, s2 = build_sft_loader([f], ByteTokenizer(), None, **_kw(seq_len=64, pack=False))
-    assert s2["sequences"] == 29 and s1["sequences"] < 29 and s1["loss_tokens"] == s2["loss_tokens"]
-    assert padded.n_windows == 29 and packed.n_windows == s1["sequences"]
+    assert s2["rows"] == 29 and s1["rows"] < 29 and s1["loss_tokens"] == s2["loss_tokens"]
+    assert padded.n_rows == 29 and packed.n_rows == s1["rows"]
 
 
 # -- global order, dp invariance, resume ------------------------------------------------------------

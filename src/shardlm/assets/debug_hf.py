@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import ast
 import json
-import sysconfig
 from pathlib import Path
+
+from shardlm.data.sources import builtin_files
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}{% if m['role'] == 'assistant' %}"
@@ -21,8 +22,8 @@ SPECIALS = ["<|endoftext|>", "<|system|>", "<|user|>", "<|assistant|>"]
 
 
 def _stdlib_files(limit: int) -> list[Path]:
-    root = Path(sysconfig.get_paths()["stdlib"])
-    return sorted(root.glob("*.py"))[:limit]
+    """The first `limit` top-level stdlib modules (sorted by name): the same files on every machine."""
+    return builtin_files(max_depth=0)[:limit]
 
 
 def sft_pairs(max_pairs: int = 3000) -> list[dict]:

@@ -1,10 +1,9 @@
-"""Tokenise once into a cached token file, pack into `seq_len` windows, deal them to data-parallel ranks.
+"""Tokenise once into a cached token file, pack into `seq_len` windows, deal them to data-parallel ranks;
+and `build_loader`, the one entry point that builds the loader `data.format` names.
 
-Sample order is global: step s uses samples [s*G, (s+1)*G) of a seeded per-epoch permutation of the
-windows, G = micro_batch_size x grad_accum x dp. Within a step, micro-batch k of dp rank r holds
-samples k*mbs*dp + r*mbs ... +mbs, so each rank reads a disjoint part and the global batch holds the
-same samples whatever the number of ranks. The only state is the number of samples consumed, so a
-resume on a different dp degree continues exactly where the run stopped.
+The windows are dealt in the global sample order of `shardlm.data.order.SampleOrder` (the same for
+the SFT loader): the global batch holds the same samples whatever the number of ranks, and the only
+state is the number of samples consumed, so a resume on a different dp degree continues exactly.
 """
 
 from __future__ import annotations
@@ -18,12 +17,13 @@ from typing import Callable
 import numpy as np
 import torch
 
-from shardlm.data.sources import iter_documents
-from shardlm.data.tokenizer import ByteTokenizer, Tokenizer
-from shardlm.errors import ConfigError
+from shardlm.data.order import IGNORE_INDEX, RowLoader, SampleOrder
+from shardlm.data.sft import build_sft_loader
+from shardlm.data.sources import iter_documents, resolve_files
+from shardlm.data.tokenizer import Tokenizer, encode_texts
+from shardlm.errors import DataError
 
-IGNORE_INDEX = -100
-_ENCODE_BATCH = 256
+__all__ = ["IGNORE_INDEX", "PackedLoader", "build_loader", "build_packed_loader", "data_stats", "default_cache_dir"]
 
 
 def default_cache_dir() -> Path:
@@ -45,28 +45,12 @@ def _token_dtype(vocab_size: int) -> np.dtype:
 def _encode_all(docs, tokenizer: Tokenizer, dtype: np.dtype, out) -> tuple[int, int]:
     """Write each document's ids plus EOS to `out`; returns (documents, tokens)."""
     n_docs = n_tok = 0
-    eos = np.array([tokenizer.eos_id], dtype=dtype)
-
-    def flush(batch: list[str]) -> None:
-        nonlocal n_docs, n_tok
-        if isinstance(tokenizer, ByteTokenizer):
-            arrays = [np.frombuffer(d.encode("utf-8"), dtype=np.uint8) for d in batch]
-        else:
-            arrays = [np.asarray(ids) for ids in tokenizer.encode_batch(batch)]
-        for a in arrays:
-            out.write(a.astype(dtype).tobytes())
-            out.write(eos.tobytes())
-            n_tok += a.size + 1
-        n_docs += len(batch)
-
-    batch: list[str] = []
-    for doc in docs:
-        batch.append(doc)
-        if len(batch) == _ENCODE_BATCH:
-            flush(batch)
-            batch = []
-    if batch:
-        flush(batch)
+    eos = np.array([tokenizer.eos_id], dtype=dtype).tobytes()
+    for ids in encode_texts(tokenizer, docs):
+        out.write(ids.astype(dtype).tobytes())
+        out.write(eos)
+        n_tok += ids.size + 1
+        n_docs += 1
     return n_docs, n_tok
 
 
@@ -93,73 +77,82 @@ def open_token_file(path: Path) -> tuple[np.ndarray, dict]:
     return np.memmap(path, dtype=meta["dtype"], mode="r"), meta
 
 
-class GlobalSampleOrder:
-    """The sample order shared by every loader: step s takes global samples [s*G, (s+1)*G) of a seeded
-    per-epoch permutation; micro-batch k of dp rank r holds samples k*mbs*dp + r*mbs ... +mbs.
-    Subclasses set mbs, accum, dp_rank, dp_size, seed, shuffle, n_windows and `_batch(first_sample)`."""
-
-    samples_seen = 0
-    _perm_epoch, _perm = -1, None
-
-    @property
-    def global_batch(self) -> int:
-        return self.mbs * self.accum * self.dp_size
-
-    def _window(self, sample: int) -> int:
-        epoch, pos = divmod(sample, self.n_windows)
-        if not self.shuffle:
-            return pos
-        if epoch != self._perm_epoch:
-            self._perm = np.random.default_rng([self.seed, epoch]).permutation(self.n_windows)
-            self._perm_epoch = epoch
-        return int(self._perm[pos])
-
-    def next_step(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """`grad_accum` (inputs, labels) pairs of shape (micro_batch_size, seq_len) for this rank."""
-        base = self.samples_seen
-        out = [self._batch(base + k * self.mbs * self.dp_size + self.dp_rank * self.mbs) for k in range(self.accum)]
-        self.samples_seen += self.global_batch
-        return out
-
-    def state_dict(self) -> dict:
-        return {"samples_seen": self.samples_seen}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.samples_seen = int(state["samples_seen"])
-
-
-class PackedLoader(GlobalSampleOrder):
-    """Yields this rank's micro-batches for each optimizer step; `state_dict()` makes it resumable."""
+class PackedLoader(RowLoader):
+    """This rank's micro-batches of `seq_len` windows of the token stream, in the global sample order."""
 
     def __init__(self, tokens: np.ndarray, seq_len: int, micro_batch_size: int, grad_accum: int,
                  dp_rank: int, dp_size: int, seed: int = 0, shuffle: bool = True):
         self.tokens, self.seq_len = tokens, seq_len
-        self.n_windows = (len(tokens) - 1) // seq_len if len(tokens) > 0 else 0
-        if self.n_windows < 1:
-            raise ConfigError(f"the corpus has {len(tokens)} tokens, fewer than data.seq_len + 1 = {seq_len + 1}; "
-                              "add text or lower data.seq_len")
-        self.mbs, self.accum, self.dp_rank, self.dp_size = micro_batch_size, grad_accum, dp_rank, dp_size
-        self.seed, self.shuffle = seed, shuffle
-        self.samples_seen = 0
-        self._perm_epoch, self._perm = -1, None
+        n_windows = (len(tokens) - 1) // seq_len if len(tokens) > 0 else 0
+        if n_windows < 1:
+            raise DataError(f"the corpus has {len(tokens)} tokens, fewer than data.seq_len + 1 = {seq_len + 1}; "
+                            "add text or lower data.seq_len")
+        super().__init__(SampleOrder(n_windows, micro_batch_size, grad_accum, dp_rank, dp_size, seed, shuffle))
 
-    def _batch(self, first_sample: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def rows(self, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Window w is tokens[w*L : w*L + L + 1]: inputs its first L tokens, labels its last L."""
         L = self.seq_len
-        rows = [self.tokens[w * L : w * L + L + 1] for w in map(self._window, range(first_sample, first_sample + self.mbs))]
-        x = torch.from_numpy(np.stack(rows).astype(np.int64))
+        x = torch.from_numpy(np.stack([self.tokens[w * L : w * L + L + 1] for w in ids]).astype(np.int64))
         return x[:, :-1], x[:, 1:]
 
 
-def build_loader(files: list[Path], tokenizer: Tokenizer, text_field: str, cache_dir: Path, *, seq_len: int,
-                 micro_batch_size: int, grad_accum: int, dp_rank: int, dp_size: int, seed: int, shuffle: bool,
-                 is_builder: bool, barrier: Callable[[], None]) -> tuple[PackedLoader, dict]:
-    """One rank per machine tokenises (or finds the cache); the others wait, then all memory-map it."""
+def build_packed_loader(files: list[Path], tokenizer: Tokenizer, text_field: str, cache_dir: Path, *, seq_len: int,
+                        micro_batch_size: int, grad_accum: int, dp_rank: int, dp_size: int, seed: int, shuffle: bool,
+                        is_builder: bool, barrier: Callable[[], None]) -> tuple[PackedLoader, dict]:
+    """One rank per machine tokenises (or finds the cache); the others wait, then all memory-map it.
+
+    Returns the loader and the token file's meta: dtype, documents, tokens."""
     path = cache_dir / f"{cache_key(files, tokenizer, text_field)}.bin"
     if is_builder:
         build_token_file(files, tokenizer, text_field, cache_dir)
     barrier()
     tokens, meta = open_token_file(path)
     if meta["tokens"] == 0:
-        raise ConfigError("the corpus is empty: no non-empty documents found in data.path")
+        raise DataError("the corpus is empty: no non-empty documents found in data.path")
     loader = PackedLoader(tokens, seq_len, micro_batch_size, grad_accum, dp_rank, dp_size, seed, shuffle)
     return loader, meta
+
+
+def data_stats(format: str, *, documents: int, samples: int, tokens: int, loss_tokens: int, rows: int,
+               fill: float, truncated: int = 0, dropped: int = 0, template: str | None = None) -> dict:
+    """What `build_loader` reports, the same keys for every data.format:
+
+    format (text | sft), documents (text: non-empty documents; sft: records), samples (kept: text:
+    the documents; sft: samples with an answer token left), tokens (text: the token file, one EOS per
+    document; sft: the kept samples' tokens after truncation), loss_tokens (target tokens in one epoch),
+    rows (rows of seq_len in one epoch, = loader.n_rows), fill (non-padding share of the rows),
+    truncated / dropped (sft: samples cut to seq_len + 1 / left with no answer token; text: 0),
+    template (sft: chat_template | plain; text: None).
+    """
+    return {"format": format, "documents": documents, "samples": samples, "tokens": tokens,
+            "loss_tokens": loss_tokens, "rows": rows, "fill": fill, "truncated": truncated, "dropped": dropped,
+            "template": template}
+
+
+def build_loader(cfg, tokenizer: Tokenizer, dp_rank: int, dp_size: int, is_builder: bool,
+                 barrier: Callable[[], None], log: Callable[[str], None] = print,
+                 files: list[Path] | None = None) -> tuple[RowLoader, dict]:
+    """The loader `cfg.data.format` names, for this dp rank, and its stats (`data_stats`).
+
+    text: `build_packed_loader` (`is_builder` ranks tokenise into the cache, `barrier` waits for
+    them); sft: `shardlm.data.sft.build_sft_loader` with the tokenizer's folder's chat template
+    (every rank reads the records; it logs one line about them). `files` defaults to the files of
+    cfg.data.path.
+    """
+    d, t = cfg.data, cfg.train
+    files = resolve_files(d.path) if files is None else files
+    order = dict(seq_len=d.seq_len, micro_batch_size=t.micro_batch_size, grad_accum=t.grad_accum, dp_rank=dp_rank,
+                 dp_size=dp_size, seed=t.seed, shuffle=d.shuffle)
+    if d.format == "sft":
+        loader, s = build_sft_loader(files, tokenizer, tokenizer.directory, pack=d.pack, **order)
+        log(f"sft data: {s['samples']} samples ({s['truncated']} truncated to data.seq_len, "
+            f"{s['dropped']} dropped with no answer left), {s['loss_tokens']} loss tokens, "
+            f"{s['template']} template, {'packed' if d.pack else 'padded'} into {loader.n_rows} rows")
+        return loader, data_stats("sft", documents=s["records"], samples=s["samples"], tokens=s["tokens"],
+                                  loss_tokens=s["loss_tokens"], rows=s["rows"], fill=s["fill"],
+                                  truncated=s["truncated"], dropped=s["dropped"], template=s["template"])
+    cache = Path(d.cache_dir) if d.cache_dir else default_cache_dir()
+    loader, meta = build_packed_loader(files, tokenizer, d.text_field, cache, is_builder=is_builder, barrier=barrier,
+                                       **order)
+    return loader, data_stats("text", documents=meta["documents"], samples=meta["documents"], tokens=meta["tokens"],
+                              loss_tokens=loader.n_rows * d.seq_len, rows=loader.n_rows, fill=1.0)

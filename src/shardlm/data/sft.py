@@ -45,14 +45,15 @@ Batching. `pack=True`: the (input, label) pairs of whole samples are placed into
 best-fit decreasing (deterministic; a sample is never split over rows) and the rest of a row is
 padding (input = pad id, label = IGNORE_INDEX). Each sample keeps its own labels, so no label ever
 predicts another sample's token; attention is not blocked between samples of a row (as with
-PackedLoader's documents). `pack=False`: one sample per row, padded. Rows are then dealt exactly
-like PackedLoader's windows: step s uses global rows [s*G, (s+1)*G) of a seeded per-epoch
+PackedLoader's documents). `pack=False`: one sample per row, padded. Rows are then dealt by the same
+`SampleOrder` as PackedLoader's windows: step s uses global rows [s*G, (s+1)*G) of a seeded per-epoch
 permutation, micro-batch k of dp rank r holds rows k*mbs*dp + r*mbs ... +mbs; the only state is
 `samples_seen`, so a resume on any dp degree continues where the run stopped.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 from bisect import bisect_left, insort
 from datetime import datetime
@@ -62,14 +63,13 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 import torch
 
-from shardlm.data.loader import IGNORE_INDEX, GlobalSampleOrder
-from shardlm.data.tokenizer import _EOS_CANDIDATES, ByteTokenizer
-from shardlm.errors import ConfigError
+from shardlm.data.order import IGNORE_INDEX, RowLoader, SampleOrder
+from shardlm.data.tokenizer import _EOS_CANDIDATES, encode_texts
+from shardlm.errors import ConfigError, DataError
 
 ROLES = ("system", "user", "assistant")
 SHAPES = ('{"messages": [{"role": "system"|"user"|"assistant", "content": str}, ...]}, '
           '{"prompt": str, "completion": str}, or {"instruction": str, "input": str (optional), "output": str}')
-_ENCODE_BATCH = 256
 
 Message = dict[str, str]
 Segment = tuple[Any, bool]  # (text, or a literal token id, is-loss)
@@ -78,8 +78,8 @@ Segment = tuple[Any, bool]  # (text, or a literal token id, is-loss)
 # -- records ---------------------------------------------------------------------------------------
 def record_to_messages(record: Any, where: str) -> list[Message]:
     """One JSONL record (any of the three shapes) as a list of {"role", "content"} messages."""
-    def bad(why: str) -> ConfigError:
-        return ConfigError(f"{where}: {why}; an SFT record is one of {SHAPES}")
+    def bad(why: str) -> DataError:
+        return DataError(f"{where}: {why}; an SFT record is one of {SHAPES}")
 
     if not isinstance(record, dict):
         raise bad("not a JSON object")
@@ -118,7 +118,7 @@ def iter_records(files: Sequence[Path]) -> Iterator[tuple[list[Message], str]]:
         try:
             text = f.read_bytes().decode("utf-8")
         except UnicodeDecodeError as e:
-            raise ConfigError(f"{f}: not valid UTF-8 ({e.reason} at byte {e.start})") from None
+            raise DataError(f"{f}: not valid UTF-8 ({e.reason} at byte {e.start})") from None
         for lineno, line in enumerate(text.splitlines(), 1):
             if not line.strip():
                 continue
@@ -126,7 +126,7 @@ def iter_records(files: Sequence[Path]) -> Iterator[tuple[list[Message], str]]:
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as e:
-                raise ConfigError(f"{where}: not valid JSON ({e.msg})") from None
+                raise DataError(f"{where}: not valid JSON ({e.msg})") from None
             yield record_to_messages(record, where), where
 
 
@@ -194,7 +194,7 @@ def _compile(source: str):
     try:
         return env.from_string(source)
     except jinja2.exceptions.TemplateSyntaxError as e:
-        raise ConfigError(f"chat template: syntax error at line {e.lineno}: {e.message}") from None
+        raise DataError(f"chat template: syntax error at line {e.lineno}: {e.message}") from None
 
 
 class ChatTemplate:
@@ -211,18 +211,16 @@ class ChatTemplate:
 
     @classmethod
     def from_dir(cls, tokenizer_dir: str | Path | None) -> ChatTemplate | None:
-        """The template saved with a tokenizer (a directory, or a path to its tokenizer.json), or None."""
-        if tokenizer_dir is None or str(tokenizer_dir) == "bytes":
+        """The template saved in a tokenizer's folder (`Tokenizer.directory`; None: no folder), or None."""
+        if tokenizer_dir is None:
             return None
         d = Path(tokenizer_dir)
-        if d.is_file() or d.suffix == ".json":  # a path to tokenizer.json: its directory
-            d = d.parent
         cfg: dict = {}
         if (d / "tokenizer_config.json").is_file():
             try:
                 cfg = json.loads((d / "tokenizer_config.json").read_text(encoding="utf-8"))
             except (json.JSONDecodeError, UnicodeDecodeError) as e:
-                raise ConfigError(f"{d / 'tokenizer_config.json'}: not valid JSON ({e})") from None
+                raise DataError(f"{d / 'tokenizer_config.json'}: not valid JSON ({e})") from None
         source = cfg.get("chat_template")
         if isinstance(source, list):  # [{"name": "default", "template": ...}, ...]
             named = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}
@@ -242,7 +240,7 @@ class ChatTemplate:
         try:
             text = self.render(messages)
         except Exception as e:  # raise_exception, sandbox refusals, or a template bug (TypeError, ...)
-            raise ConfigError(f"{where}: the chat template refused this record: {e}") from None
+            raise DataError(f"{where}: the chat template refused this record: {e}") from None
         spans: list[tuple[int, int]] = []
         pos = 0
         for i, m in enumerate(messages):
@@ -254,7 +252,7 @@ class ChatTemplate:
             if span is None:
                 if not m["content"]:
                     continue
-                raise ConfigError(f"{where}: the chat template does not render assistant message {i} verbatim, "
+                raise DataError(f"{where}: the chat template does not render assistant message {i} verbatim, "
                                   "so its tokens cannot be found for loss masking")
             spans.append(span)
             pos = span[1]
@@ -299,40 +297,19 @@ class ChatTemplate:
 
 
 # -- tokenisation ----------------------------------------------------------------------------------
-def _encode_texts(tokenizer, texts: list[str]) -> list[list[int]]:
-    if isinstance(tokenizer, ByteTokenizer):
-        return [list(t.encode("utf-8")) for t in texts]
-    if hasattr(tokenizer, "encode_batch"):
-        return tokenizer.encode_batch(texts)
-    return [tokenizer.encode(t) for t in texts]
-
-
-def tokenize_segments(tokenizer, batch: list[list[Segment]]) -> list[tuple[np.ndarray, np.ndarray]]:
-    """Each record's segments -> (ids int32, is-answer bool), every text segment encoded on its own."""
-    texts = [piece for segs in batch for piece, _ in segs if isinstance(piece, str)]
-    encoded = iter(_encode_texts(tokenizer, texts))
-    out = []
-    for segs in batch:
-        ids: list[int] = []
-        mask: list[bool] = []
-        for piece, loss in segs:
-            toks = next(encoded) if isinstance(piece, str) else [int(piece)]
-            ids += toks
-            mask += [loss] * len(toks)
-        out.append((np.asarray(ids, dtype=np.int32), np.asarray(mask, dtype=bool)))
-    return out
-
-
 def tokenize_records(records, tokenizer, template) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-    """(messages, where) records -> (ids, answer mask) samples, encoded in batches."""
-    batch: list[list[Segment]] = []
-    for messages, where in records:
-        batch.append(template.segments(messages, where))
-        if len(batch) == _ENCODE_BATCH:
-            yield from tokenize_segments(tokenizer, batch)
-            batch = []
-    if batch:
-        yield from tokenize_segments(tokenizer, batch)
+    """(messages, where) records -> (ids int32, is-answer bool) samples.
+
+    Every text segment of a record is encoded on its own (no special tokens added; the texts go
+    through `encode_texts`, a batch at a time) and the ids concatenated; a literal id is one token.
+    """
+    segments, pieces = itertools.tee(template.segments(messages, where) for messages, where in records)
+    encoded = encode_texts(tokenizer, (piece for segs in pieces for piece, _ in segs if isinstance(piece, str)))
+    for segs in segments:
+        ids = [next(encoded) if isinstance(piece, str) else np.array([int(piece)]) for piece, _ in segs]
+        mask = [np.full(len(a), loss, dtype=bool) for a, (_, loss) in zip(ids, segs)]
+        yield (np.concatenate(ids).astype(np.int32) if ids else np.zeros(0, np.int32),
+               np.concatenate(mask) if mask else np.zeros(0, bool))
 
 
 # -- batching --------------------------------------------------------------------------------------
@@ -356,20 +333,19 @@ def pack_best_fit(lengths: Sequence[int], capacity: int) -> list[list[int]]:
     return rows
 
 
-class SFTLoader(GlobalSampleOrder):
+class SFTLoader(RowLoader):
     """PackedLoader's interface over SFT samples: rows of (inputs, labels) with answer-only labels.
 
     `samples` are (token ids, answer mask) pairs of equal length; they are truncated, filtered and
     packed (or padded) here, and `stats` says how: samples kept, truncated, dropped, tokens, loss
-    tokens, rows and the fill of the rows.
+    tokens, rows and the fill of the rows. `lengths[i]` is kept sample i's number of (input, label) pairs.
     """
 
     def __init__(self, samples: Sequence[tuple[Sequence[int], Sequence[bool]]], seq_len: int,
                  micro_batch_size: int, grad_accum: int, dp_rank: int, dp_size: int, seed: int = 0,
                  shuffle: bool = True, pack: bool = True, pad_id: int = 0):
         L = self.seq_len = seq_len
-        self.mbs, self.accum, self.dp_rank, self.dp_size = micro_batch_size, grad_accum, dp_rank, dp_size
-        self.seed, self.shuffle, self.pack, self.pad_id = seed, shuffle, pack, pad_id
+        self.pack, self.pad_id = pack, pad_id
         xs, ys, lengths = [], [], []
         truncated = dropped = 0
         for ids, mask in samples:
@@ -386,22 +362,19 @@ class SFTLoader(GlobalSampleOrder):
             ys.append(np.where(mask[1:], ids[1:], IGNORE_INDEX))
             lengths.append(len(ids) - 1)
         if not lengths:
-            raise ConfigError("no SFT sample has an answer token left within data.seq_len"
-                              + (f" ({dropped} dropped)" if dropped else "") + "; add data or raise data.seq_len")
+            raise DataError("no SFT sample has an answer token left within data.seq_len"
+                            + (f" ({dropped} dropped)" if dropped else "") + "; add data or raise data.seq_len")
         self._x = np.concatenate(xs).astype(np.int32)
         self._y = np.concatenate(ys).astype(np.int32)
-        self._len = np.asarray(lengths, dtype=np.int64)
-        self._off = np.concatenate([[0], np.cumsum(self._len)[:-1]])
-        rows = pack_best_fit(lengths, L) if pack else [[i] for i in range(len(lengths))]
-        self._rows = rows
-        self.n_windows = len(rows)
-        n_tok = int(self._len.sum())
+        self.lengths = np.asarray(lengths, dtype=np.int64)
+        self._off = np.concatenate([[0], np.cumsum(self.lengths)[:-1]])
+        self._rows = pack_best_fit(lengths, L) if pack else [[i] for i in range(len(lengths))]
+        super().__init__(SampleOrder(len(self._rows), micro_batch_size, grad_accum, dp_rank, dp_size, seed, shuffle))
+        n_tok = int(self.lengths.sum())
         self.stats = {"samples": len(lengths), "truncated": truncated, "dropped": dropped,
                       "tokens": n_tok + len(lengths),  # each sample's n tokens give n - 1 pairs
-                      "loss_tokens": int((self._y != IGNORE_INDEX).sum()), "sequences": self.n_windows,
-                      "fill": round(n_tok / (self.n_windows * L), 4)}
-        self.samples_seen = 0
-        self._perm_epoch, self._perm = -1, None
+                      "loss_tokens": int((self._y != IGNORE_INDEX).sum()), "rows": self.n_rows,
+                      "fill": round(n_tok / (self.n_rows * L), 4)}
 
     def row(self, w: int) -> tuple[np.ndarray, np.ndarray]:
         """Row w as (inputs, labels), each seq_len long; the tail is padding."""
@@ -409,7 +382,7 @@ class SFTLoader(GlobalSampleOrder):
         y = np.full(self.seq_len, IGNORE_INDEX, dtype=np.int64)
         pos = 0
         for i in self._rows[w]:
-            o, n = self._off[i], self._len[i]
+            o, n = self._off[i], self.lengths[i]
             x[pos : pos + n] = self._x[o : o + n]
             y[pos : pos + n] = self._y[o : o + n]
             pos += n
@@ -419,13 +392,13 @@ class SFTLoader(GlobalSampleOrder):
         """Indices (among the kept samples, in input order) of the samples in row w, in row order."""
         return list(self._rows[w])
 
-    def _batch(self, first_sample: int) -> tuple[torch.Tensor, torch.Tensor]:
-        rows = [self.row(self._window(s)) for s in range(first_sample, first_sample + self.mbs)]
+    def rows(self, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        rows = [self.row(w) for w in ids]
         return torch.from_numpy(np.stack([r[0] for r in rows])), torch.from_numpy(np.stack([r[1] for r in rows]))
 
 
 def load_template(tokenizer, tokenizer_dir: str | Path | None) -> ChatTemplate | PlainTemplate:
-    """The tokenizer directory's chat template if it has one, else the plain template."""
+    """The chat template in the folder `tokenizer_dir` if it has one, else the plain template."""
     return ChatTemplate.from_dir(tokenizer_dir) or PlainTemplate(tokenizer.eos_id)
 
 
@@ -434,15 +407,17 @@ def build_sft_loader(files: Sequence[Path], tokenizer, tokenizer_dir: str | Path
                      shuffle: bool = True, pack: bool = True) -> tuple[SFTLoader, dict]:
     """Read, render, tokenise and batch SFT records -> (loader, stats).
 
+    `tokenizer_dir`: the folder whose chat template renders the records (`tokenizer.directory`;
+    None, or a folder without one: the plain template).
     stats: records, samples (kept), truncated, dropped (no answer token within seq_len), tokens,
-    loss_tokens, sequences (rows), fill (non-padding share of the rows), template (`chat_template`
-    or `plain`). Every rank does the whole (in-memory) pass; the result is deterministic.
+    loss_tokens, rows, fill (non-padding share of the rows), template (`chat_template` or `plain`).
+    Every rank does the whole (in-memory) pass; the result is deterministic.
     """
     template = load_template(tokenizer, tokenizer_dir)
     records = list(iter_records(files))
     if not records:
-        raise ConfigError(f"no SFT records found in {', '.join(map(str, files)) or 'data.path'} "
-                          f"(each .jsonl line must be one of {SHAPES})")
+        raise DataError(f"no SFT records found in {', '.join(map(str, files)) or 'data.path'} "
+                        f"(each .jsonl line must be one of {SHAPES})")
     samples = list(tokenize_records(records, tokenizer, template))
     loader = SFTLoader(samples, seq_len, micro_batch_size, grad_accum, dp_rank, dp_size, seed, shuffle, pack,
                        pad_id=tokenizer.eos_id)

@@ -10,18 +10,30 @@ import sysconfig
 from pathlib import Path
 from typing import Iterator
 
-from shardlm.errors import ConfigError
+from shardlm.errors import ConfigError, DataError
 
 BUILTIN = "builtin:stdlib"
 SUFFIXES = (".txt", ".jsonl")
 
 
-def builtin_files() -> list[Path]:
-    """The running Python's standard library sources: on every machine, no download."""
-    root = Path(sysconfig.get_paths()["stdlib"])
+def stdlib_dir() -> Path:
+    """The running Python's standard library folder."""
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def builtin_files(max_depth: int | None = None) -> list[Path]:
+    """The running Python's standard library sources (.py; installed packages left out): on every
+    machine, no download. In walk order: a folder's files sorted by name, then each subfolder (sorted)
+    in full. `max_depth`: 0 = the top-level modules only, 1 = also the files one folder down, None = all.
+    This is the one stdlib-corpus walker (the built-in corpus, the debug HF assets, tests, benchmarks).
+    """
+    root = stdlib_dir()
     files = []
     for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = sorted(d for d in dirnames if d not in ("site-packages", "dist-packages", "__pycache__"))
+        if max_depth is not None and len(Path(dirpath).relative_to(root).parts) >= max_depth:
+            dirnames[:] = []
+        else:
+            dirnames[:] = sorted(d for d in dirnames if d not in ("site-packages", "dist-packages", "__pycache__"))
         files += [Path(dirpath) / f for f in sorted(filenames) if f.endswith(".py")]
     return files
 
@@ -67,9 +79,9 @@ def iter_documents(files: list[Path], text_field: str) -> Iterator[str]:
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as e:
-                raise ConfigError(f"{f}:{lineno}: not valid JSON ({e.msg})") from None
+                raise DataError(f"{f}:{lineno}: not valid JSON ({e.msg})") from None
             value = record.get(text_field) if isinstance(record, dict) else None
             if not isinstance(value, str):
-                raise ConfigError(f"{f}:{lineno}: no string field {text_field!r}; set data.text_field")
+                raise DataError(f"{f}:{lineno}: no string field {text_field!r}; set data.text_field")
             if value:
                 yield value

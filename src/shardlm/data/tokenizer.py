@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import hashlib
 from pathlib import Path
+from typing import Iterable, Iterator
 
-from shardlm.errors import ConfigError
+import numpy as np
+
+from shardlm.errors import ConfigError, DataError
 
 _EOS_CANDIDATES = ("<|end_of_text|>", "<|endoftext|>", "<|im_end|>", "</s>", "<eos>", "<|eot_id|>")
+ENCODE_BATCH = 256  # texts per encode_batch call (HF tokenizers encode a batch on several threads)
 
 
 class ByteTokenizer:
@@ -34,12 +38,12 @@ class HFTokenizer:
         try:
             self.tok = Tokenizer.from_file(str(path))
         except Exception as e:  # the library raises a bare Exception on malformed files
-            raise ConfigError(f"cannot read tokenizer {str(path)!r}: {e}") from None
+            raise DataError(f"cannot read tokenizer {str(path)!r}: {e}") from None
         self.vocab_size = self.tok.get_vocab_size(with_added_tokens=True)
         vocab = self.tok.get_vocab(with_added_tokens=True)
         eos = next((vocab[t] for t in _EOS_CANDIDATES if t in vocab), None)
         if eos is None:
-            raise ConfigError(f"tokenizer {str(path)!r} has none of the end-of-text tokens {', '.join(_EOS_CANDIDATES)}")
+            raise DataError(f"tokenizer {str(path)!r} has none of the end-of-text tokens {', '.join(_EOS_CANDIDATES)}")
         self.eos_id = eos
         self.fingerprint = "hf-" + hashlib.sha256(path.read_bytes()).hexdigest()[:16]
         self.directory = path.parent  # tokenizer_config.json (chat template) and friends live here
@@ -55,6 +59,30 @@ class HFTokenizer:
 
 
 Tokenizer = ByteTokenizer | HFTokenizer
+
+
+def _encode_arrays(tokenizer: Tokenizer, texts: list[str]) -> list[np.ndarray]:
+    if isinstance(tokenizer, ByteTokenizer):  # the bytes are the ids: no copy through Python ints
+        return [np.frombuffer(t.encode("utf-8"), dtype=np.uint8) for t in texts]
+    if hasattr(tokenizer, "encode_batch"):
+        return [np.asarray(ids, dtype=np.int64) for ids in tokenizer.encode_batch(texts)]
+    return [np.asarray(tokenizer.encode(t), dtype=np.int64) for t in texts]
+
+
+def encode_texts(tokenizer: Tokenizer, texts: Iterable[str]) -> Iterator[np.ndarray]:
+    """Each text's ids (no special tokens added), in order, encoded ENCODE_BATCH texts at a time.
+
+    Lazy: it reads at most ENCODE_BATCH texts ahead of what it has yielded. The arrays are uint8
+    (bytes) or int64; an empty text gives an empty array.
+    """
+    batch: list[str] = []
+    for text in texts:
+        batch.append(text)
+        if len(batch) == ENCODE_BATCH:
+            yield from _encode_arrays(tokenizer, batch)
+            batch = []
+    if batch:
+        yield from _encode_arrays(tokenizer, batch)
 
 
 def load_tokenizer(spec: str) -> Tokenizer:

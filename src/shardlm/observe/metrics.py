@@ -38,8 +38,9 @@ def peak_flops(device: torch.device) -> float | None:
     return next((v for k, v in PEAK_BF16_FLOPS.items() if k in name), None)
 
 
-def memory_gib(device: torch.device) -> float:
-    """Peak memory since the last call: CUDA max allocated, or the process's peak RSS on CPU."""
+def read_and_reset_peak_memory_gib(device: torch.device) -> float:
+    """Peak memory since the last call, in GiB: CUDA max allocated (then the CUDA peak counter is reset,
+    so each call measures its own interval), or on CPU the process's peak RSS (since start: never reset)."""
     if device.type == "cuda":
         peak = torch.cuda.max_memory_allocated(device)
         torch.cuda.reset_peak_memory_stats(device)

@@ -19,12 +19,12 @@ from shardlm.build import build_model, build_model_config, uses_fp8_all_gather
 from shardlm.checkpoint import Checkpointer
 from shardlm.config import Config
 from shardlm.data import build_loader, load_tokenizer, resolve_files
-from shardlm.data.loader import IGNORE_INDEX, default_cache_dir
+from shardlm.data.loader import IGNORE_INDEX
 from shardlm.distributed.env import init_distributed, launched_world_size, restart_store_warning, shutdown_distributed
 from shardlm.errors import ConfigError, TrainingError
 from shardlm.generate import generate
 from shardlm.models import ModelConfig
-from shardlm.observe.metrics import MetricsLogger, Throughput, memory_gib, peak_flops
+from shardlm.observe.metrics import MetricsLogger, Throughput, peak_flops, read_and_reset_peak_memory_gib
 from shardlm.parallel.dims import ParallelDims, dp_rank
 from shardlm.parallel.fsdp import clip_grad_norm_
 from shardlm.quant.fp8 import precompute_fp8_scales
@@ -167,25 +167,8 @@ class Trainer:
         self.checkpointer.save(self.step, final=final, blocking=blocking)
 
     def build_data(self):
-        d, t = self.cfg.data, self.cfg.train
-        if d.format == "sft":
-            from shardlm.data.sft import build_sft_loader
-
-            spec = self.cfg.tokenizer_spec()
-            tok_dir = None if spec == "bytes" else (Path(spec) if Path(spec).is_dir() else Path(spec).parent)
-            loader, stats = build_sft_loader(
-                self.files, self.tokenizer, tok_dir, seq_len=d.seq_len, micro_batch_size=t.micro_batch_size,
-                grad_accum=t.grad_accum, dp_rank=dp_rank(self.mesh), dp_size=self.dims.dp, seed=t.seed,
-                shuffle=d.shuffle, pack=d.pack)
-            self.log(f"sft data: {stats['samples']} samples ({stats['truncated']} truncated to data.seq_len, "
-                     f"{stats['dropped']} dropped with no answer left), {stats['loss_tokens']} loss tokens, "
-                     f"{stats['template']} template, {'packed' if d.pack else 'padded'} into {loader.n_windows} rows")
-            return loader, stats
-        cache = Path(d.cache_dir) if d.cache_dir else default_cache_dir()
-        return build_loader(self.files, self.tokenizer, d.text_field, cache, seq_len=d.seq_len,
-                            micro_batch_size=t.micro_batch_size, grad_accum=t.grad_accum,
-                            dp_rank=dp_rank(self.mesh), dp_size=self.dims.dp, seed=t.seed, shuffle=d.shuffle,
-                            is_builder=self.env.local_rank == 0, barrier=dist.barrier)
+        return build_loader(self.cfg, self.tokenizer, dp_rank(self.mesh), self.dims.dp,
+                            is_builder=self.env.local_rank == 0, barrier=dist.barrier, log=self.log, files=self.files)
 
     def train_step(self, batches: list[Batch], stop_requested: bool = False) -> StepResult:
         """One optimizer step over `grad_accum` micro-batches (see `forward_backward` for the loss).
@@ -263,7 +246,7 @@ class Trainer:
             if log_now:
                 tps, mfu = meter.measure()
                 rec = {"step": self.step, "loss": loss_v, "lr": lr, "grad_norm": res.grad_norm,
-                       "tokens_per_sec": tps, "mfu": mfu, "mem_gib": memory_gib(self.env.device),
+                       "tokens_per_sec": tps, "mfu": mfu, "mem_gib": read_and_reset_peak_memory_gib(self.env.device),
                        "elapsed_s": time.perf_counter() - start}
                 records.append(rec)
                 self.metrics.log(rec)
@@ -283,7 +266,7 @@ class Trainer:
             f"shardlm: {self.env.world_size} rank(s) on {self.env.device.type} ({self.env.backend}), mesh {mesh} | "
             f"model {self.cfg.model.init_from or self.cfg.model.preset}: {mc.num_params() / 1e6:.2f}M params"
             f"{self.trainable_note()}, {self.precision_note()} | "
-            f"data {len(self.files)} files, {m['tokens'] / 1e6:.2f}M tokens, {self.loader.n_windows} sequences of "
+            f"data {len(self.files)} files, {m['tokens'] / 1e6:.2f}M tokens, {self.loader.n_rows} sequences of "
             f"{d.seq_len} | global batch {self.loader.global_batch} seqs = {tokens_per_step} tokens/step")
 
     def precision_note(self) -> str:
