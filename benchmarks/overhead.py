@@ -58,7 +58,7 @@ from _common import ROOT, report, shared_tmpdir, write_corpus
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from shardlm.config import Config, load_config
-from shardlm.data import build_loader
+from shardlm.data.loader import build_packed_loader
 from shardlm.distributed.env import shutdown_distributed
 from shardlm.models import Transformer
 from shardlm.observe.metrics import MetricsLogger
@@ -106,7 +106,7 @@ class Minimal:
         self.max_norm = t.grad_clip
         d = cfg.data
         # Same token file (already cached by the Trainer), same seed, same dp rank: same batches as (A).
-        self.loader, _ = build_loader(trainer.files, trainer.tokenizer, d.text_field, Path(d.cache_dir),
+        self.loader, _ = build_packed_loader(trainer.files, trainer.tokenizer, d.text_field, Path(d.cache_dir),
                                       seq_len=d.seq_len, micro_batch_size=t.micro_batch_size,
                                       grad_accum=t.grad_accum, dp_rank=dp_rank(trainer.mesh),
                                       dp_size=trainer.dims.dp, seed=t.seed, shuffle=d.shuffle,
