@@ -12,11 +12,8 @@
 * `import_hf_to_dcp(dir, checkpoint_dir)`: HF safetensors -> a model-only DCP checkpoint, one tensor at
   a time.
 
-Files this module reads from one of our checkpoint directories besides DCP's own:
-  model_config.json  `dataclasses.asdict(ModelConfig)` as JSON (the trainer writes it at save time;
-                     `import_hf_to_dcp` writes it too). Used by `export_hf` when no `model_cfg` is given.
-  lora_config.json   {"rank": r, "alpha": a, "dropout": p, "target_modules": [...]} (dropout and targets
-                     optional). Used for the LoRA scaling alpha/r when no `lora_cfg` is given.
+The files beside DCP's own in one of our checkpoint folders (model_config.json, lora_config.json) are
+read through `shardlm.checkpoint.meta.CheckpointMeta`.
 
 Why not DCP's `HuggingFaceStorageReader` for `load_hf_weights`: it exists in every torch we support,
 but older releases' `read_data` deserialise each whole safetensors file on every rank (later ones
@@ -41,6 +38,8 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from shardlm.checkpoint.meta import CheckpointMeta
+from shardlm.config import LoraSection
 from shardlm.errors import ConfigError
 from shardlm.lora import is_lora_param, peft_adapter_config, to_peft_state_dict
 from shardlm.models.hf import (
@@ -49,12 +48,10 @@ from shardlm.models.hf import (
     expected_shapes,
     our_key_to_hf,
 )
-from shardlm.models.llama import ModelConfig, RopeScaling
+from shardlm.models.llama import ModelConfig
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
-MODEL_CONFIG_FILE = "model_config.json"
-LORA_CONFIG_FILE = "lora_config.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model")
 OUT_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 _ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
@@ -86,39 +83,6 @@ def read_hf_config(hf_dir: str | os.PathLike, max_seq_len: int | None = None) ->
     try:
         return config_from_hf(hf, max_seq_len=max_seq_len), hf
     except ValueError as e:
-        raise ConfigError(f"{path}: {e}") from None
-
-
-def model_config_from_dict(d: Mapping[str, Any]) -> ModelConfig:
-    """The inverse of `dataclasses.asdict(ModelConfig)` (rebuilds RopeScaling); ConfigError on unknown fields."""
-    names = {f.name for f in dataclasses.fields(ModelConfig)}
-    unknown = sorted(set(d) - names)
-    if unknown:
-        raise ConfigError(f"model config: unknown field(s) {', '.join(unknown)}")
-    kw = dict(d)
-    if kw.get("rope_scaling") is not None:
-        try:
-            kw["rope_scaling"] = RopeScaling(**kw["rope_scaling"])
-        except TypeError as e:
-            raise ConfigError(f"model config: bad rope_scaling {kw['rope_scaling']!r} ({e})") from None
-    try:
-        return ModelConfig(**kw)
-    except (TypeError, ValueError) as e:
-        raise ConfigError(f"model config: {e}") from None
-
-
-def read_model_config(checkpoint_dir: str | os.PathLike) -> ModelConfig | None:
-    """The ModelConfig stored as `model_config.json` in a checkpoint folder, or None if there is none."""
-    path = Path(checkpoint_dir) / MODEL_CONFIG_FILE
-    if not path.is_file():
-        return None
-    try:
-        d = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise ConfigError(f"{path}: unreadable ({type(e).__name__}: {e})") from None
-    try:
-        return model_config_from_dict(d)
-    except ConfigError as e:
         raise ConfigError(f"{path}: {e}") from None
 
 
@@ -365,35 +329,6 @@ def _natural(key: str) -> list:
 
 
 # -- LoRA ------------------------------------------------------------------------------------------
-def _get(obj: Any, *names: str, default: Any = None) -> Any:
-    for n in names:
-        if isinstance(obj, Mapping) and obj.get(n) is not None:
-            return obj[n]
-        if not isinstance(obj, Mapping) and getattr(obj, n, None) is not None:
-            return getattr(obj, n)
-    return default
-
-
-def _lora_params(lora_cfg: Any, checkpoint_dir: Path) -> dict[str, Any]:
-    """{rank, alpha, dropout, target_modules} from `lora_cfg` (an object or dict) or lora_config.json."""
-    if lora_cfg is None:
-        path = checkpoint_dir / LORA_CONFIG_FILE
-        if not path.is_file():
-            raise ConfigError(f"{checkpoint_dir} holds LoRA adapters but no {LORA_CONFIG_FILE}; pass the LoRA "
-                              "rank and alpha")
-        try:
-            lora_cfg = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError) as e:
-            raise ConfigError(f"{path}: unreadable ({type(e).__name__}: {e})") from None
-    rank, alpha = _get(lora_cfg, "rank", "r"), _get(lora_cfg, "alpha", "lora_alpha")
-    if not rank or alpha is None:
-        raise ConfigError(f"LoRA config {lora_cfg!r}: needs 'rank' and 'alpha'")
-    targets = _get(lora_cfg, "target_modules", "targets")
-    return {"rank": int(rank), "alpha": float(alpha), "dropout": float(_get(lora_cfg, "dropout", "lora_dropout",
-                                                                            default=0.0)),
-            "target_modules": list(targets) if targets else None}
-
-
 def _split_lora(names: Iterable[str]) -> tuple[list[str], dict[str, dict[str, str]]]:
     """(base names, {module: {"A": name, "B": name}}) for shardlm.lora's `X.lora_A.weight`/`X.lora_B.weight`."""
     base, lora = [], {}
@@ -410,16 +345,6 @@ def _split_lora(names: Iterable[str]) -> tuple[list[str], dict[str, dict[str, st
 
 
 # -- export ----------------------------------------------------------------------------------------
-def _resolve_cfg(model_cfg: ModelConfig | None, checkpoint_dir: Path) -> ModelConfig:
-    if model_cfg is not None:
-        return model_cfg
-    cfg = read_model_config(checkpoint_dir)
-    if cfg is None:
-        raise ConfigError(f"{checkpoint_dir} has no {MODEL_CONFIG_FILE}; pass the model config (preset and "
-                          "overrides the checkpoint was trained with)")
-    return cfg
-
-
 def _shard_name(i: int, n: int) -> str:
     return SINGLE_FILE if n == 1 else f"model-{i:05d}-of-{n:05d}.safetensors"
 
@@ -445,7 +370,7 @@ def export_hf(
     dtype: str = "bf16",
     max_shard_bytes: int = 2_000_000_000,
     merge_lora: bool = False,
-    lora_cfg: Any = None,
+    lora: LoraSection | None = None,
     tokenizer_dir: str | os.PathLike | None = None,
     model_type: str | None = None,
     hf_config_overrides: Mapping[str, Any] | None = None,
@@ -458,7 +383,7 @@ def export_hf(
     shard being assembled, in `dtype`) + 256 MB (or the largest tensor, in the checkpoint's dtype).
 
     LoRA (`X.lora_A.weight`/`X.lora_B.weight` keys, as shardlm.lora names them): with `merge_lora`, `X.weight += B @ A * alpha/rank`
-    (alpha and rank from `lora_cfg` or lora_config.json) and the adapters are dropped; without it they
+    (alpha and rank from `lora` or the checkpoint's lora_config.json) and the adapters are dropped; without it they
     are an error (use merge_lora, or export_peft_adapter for the adapters alone).
     Existing `model*.safetensors` and the index in `out_dir` are replaced.
     `hf_config_overrides` patches config.json (e.g. the base model's `max_position_embeddings`, since
@@ -469,15 +394,16 @@ def export_hf(
         raise ConfigError(f"dtype {dtype!r} is not supported; use one of {', '.join(OUT_DTYPES)}")
     out_dtype = OUT_DTYPES[dtype]
     metas = _checkpoint_tensors(ck)
-    cfg = _resolve_cfg(model_cfg, ck)
-    base, lora = _split_lora(metas)
-    if lora and not merge_lora:
-        raise ConfigError(f"{ck} holds LoRA adapters ({next(iter(lora))}.lora_A, ...): an HF export needs "
+    meta = CheckpointMeta.load(ck)
+    cfg = model_cfg or meta.require_model(ck)
+    base, pairs = _split_lora(metas)
+    if pairs and not merge_lora:
+        raise ConfigError(f"{ck} holds LoRA adapters ({next(iter(pairs))}.lora_A, ...): an HF export needs "
                           "--merge-lora (fold them into the base weights) or --adapter-only (a peft adapter)")
     scaling = 0.0
-    if lora:
-        lp = _lora_params(lora_cfg, ck)
-        scaling = lp["alpha"] / lp["rank"]
+    if pairs:
+        lo = lora or meta.require_lora(ck)
+        scaling = lo.alpha / lo.rank
     names = [_clean_name(n) for n in base]
     expected = expected_shapes(cfg)
     missing = [n for n in expected if n not in names]
@@ -489,7 +415,7 @@ def export_hf(
         if tuple(metas[orig].size) != expected[n]:
             raise ConfigError(f"{ck}: tensor {orig!r} has shape {tuple(metas[orig].size)}, expected {expected[n]}")
     src_of = dict(zip(names, base))
-    lora_of = {_clean_name(mod) + ".weight": ab for mod, ab in lora.items()}
+    lora_of = {_clean_name(mod) + ".weight": ab for mod, ab in pairs.items()}
     for w, ab in lora_of.items():
         if w not in expected:
             raise ConfigError(f"{ck}: LoRA adapter on {w!r}, which the model does not have")
@@ -559,7 +485,7 @@ def export_hf(
 def export_peft_adapter(
     checkpoint_dir: str | os.PathLike,
     out_dir: str | os.PathLike,
-    lora_cfg: Any = None,
+    lora: LoraSection | None = None,
     *,
     base_model_name_or_path: str | None = None,
     dtype: str = "fp32",
@@ -567,31 +493,30 @@ def export_peft_adapter(
     """The LoRA adapters of a checkpoint as a peft folder (`adapter_model.safetensors` + `adapter_config.json`),
     named and configured by shardlm.lora's `to_peft_state_dict` / `peft_adapter_config`.
 
-    `lora_cfg` (object or dict with rank/alpha[/dropout/target_modules]) defaults to lora_config.json;
-    target_modules default to the adapted module names found in the checkpoint. Adapters are small: they
+    `lora` defaults to the checkpoint's lora_config.json; target_modules default to the adapted module names found in the checkpoint. Adapters are small: they
     are read in one go. Returns the adapter config written.
     """
     ck, out = Path(checkpoint_dir), Path(out_dir)
     if dtype not in OUT_DTYPES:
         raise ConfigError(f"dtype {dtype!r} is not supported; use one of {', '.join(OUT_DTYPES)}")
     metas = _checkpoint_tensors(ck)
-    _, lora = _split_lora(metas)
-    if not lora:
+    _, pairs = _split_lora(metas)
+    if not pairs:
         raise ConfigError(f"{ck} holds no LoRA adapters (no *.lora_A / *.lora_B tensors)")
-    lp = _lora_params(lora_cfg, ck)
-    names = sorted((n for ab in lora.values() for n in ab.values()), key=_natural)
-    for mod, ab in lora.items():
+    lo = lora or CheckpointMeta.load(ck).require_lora(ck)
+    names = sorted((n for ab in pairs.values() for n in ab.values()), key=_natural)
+    for mod, ab in pairs.items():
         r = tuple(metas[ab["A"]].size)[0]
-        if r != lp["rank"]:
-            raise ConfigError(f"{ck}: {ab['A']!r} has rank {r} but the LoRA config says rank {lp['rank']}")
+        if r != lo.rank:
+            raise ConfigError(f"{ck}: {ab['A']!r} has rank {r} but the LoRA config says rank {lo.rank}")
     loaded = _read_tensors(_make_reader(ck), metas, names)
     try:
         sd = to_peft_state_dict({_clean_name(n): t for n, t in loaded.items()})
     except ValueError as e:
         raise ConfigError(f"{ck}: {e}") from None
     sd = {k: v.to(OUT_DTYPES[dtype]).contiguous() for k, v in sd.items()}
-    targets = lp["target_modules"] or sorted({mod.rsplit(".", 1)[-1] for mod in lora})
-    config = peft_adapter_config(lp["rank"], lp["alpha"], lp["dropout"], targets,
+    targets = lo.targets or sorted({mod.rsplit(".", 1)[-1] for mod in pairs})
+    config = peft_adapter_config(lo.rank, lo.alpha, lo.dropout, targets,
                                  base_model_name_or_path=base_model_name_or_path or "")
     from safetensors.torch import save_file
 
@@ -663,7 +588,7 @@ def import_hf_to_dcp(
         warnings.filterwarnings("ignore", message=_SINGLE_PROCESS_WARNING)
         _dcp().save({"model": meta_sd}, checkpoint_id=str(tmp), planner=_lazy_hf_planner(sources, dtype_of),
                     no_dist=True)
-    (tmp / MODEL_CONFIG_FILE).write_text(json.dumps(dataclasses.asdict(cfg), indent=1) + "\n")
+    CheckpointMeta(model=cfg).save(tmp)
     if out.exists():
         out.rmdir()  # an empty folder (a non-empty one is refused by rmdir)
     tmp.rename(out)

@@ -335,12 +335,13 @@ def test_imported_checkpoint_loads_sharded(world):
 
 def test_import_then_export_is_exact(world, tmp_path):
     from shardlm.checkpoint import read_keys
-    from shardlm.hf_io import export_hf, import_hf_to_dcp, read_model_config
+    from shardlm.checkpoint.meta import CheckpointMeta
+    from shardlm.hf_io import export_hf, import_hf_to_dcp
 
     for name in ("llama", "qwen2_tied_head"):
         ck = tmp_path / name / "step-0"
         cfg = import_hf_to_dcp(world["cases"][name]["hf_dir"], ck)
-        assert cfg == world["results"][name]["cfg"] == read_model_config(ck)
+        assert cfg == world["results"][name]["cfg"] == CheckpointMeta.load(ck).model
         keys = read_keys(ck)
         assert all(k.startswith("model.") for k in keys)
         assert ("model.lm_head.weight" in keys) == (not cfg.tie_embeddings)
@@ -430,10 +431,10 @@ def test_tied_folder_with_only_the_head(world, tmp_path):
 
 
 def test_export_errors(world, tmp_path):
-    from shardlm.errors import ConfigError
+    from shardlm.errors import CheckpointError, ConfigError
     from shardlm.hf_io import export_hf
 
-    with pytest.raises(ConfigError, match="no model_config.json"):
+    with pytest.raises(CheckpointError, match="no model_config.json"):
         export_hf(world["cases"]["qwen2_tied"]["ckpt"], tmp_path / "x")
     with pytest.raises(ConfigError, match="not a complete DCP checkpoint"):
         export_hf(tmp_path, tmp_path / "x")
@@ -446,7 +447,7 @@ def test_export_errors(world, tmp_path):
 def test_lora_merge_and_peft_adapter(world, tmp_path):
     import torch.distributed.checkpoint as dcp
 
-    from shardlm.errors import ConfigError
+    from shardlm.errors import CheckpointError, ConfigError
     from shardlm.hf_io import export_hf, export_peft_adapter, load_hf_weights
     from shardlm.lora import apply_lora
 
@@ -468,9 +469,9 @@ def test_lora_merge_and_peft_adapter(world, tmp_path):
     cfg = world["results"]["llama"]["cfg"]
     with pytest.raises(ConfigError, match="--merge-lora.*--adapter-only"):
         export_hf(ck, tmp_path / "x", model_cfg=cfg)
-    with pytest.raises(ConfigError, match="lora_config.json"):
+    with pytest.raises(CheckpointError, match="lora_config.json"):
         export_hf(ck, tmp_path / "x", model_cfg=cfg, merge_lora=True)
-    (ck / "lora_config.json").write_text(json.dumps({"rank": 4, "alpha": 8.0, "target_modules": targets}))
+    (ck / "lora_config.json").write_text(json.dumps({"rank": 4, "alpha": 8.0, "targets": targets}))
     export_hf(ck, tmp_path / "merged", model_cfg=cfg, dtype="fp32", merge_lora=True)
     transformers = _tf()
     merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged", attn_implementation="eager")

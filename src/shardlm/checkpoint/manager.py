@@ -17,7 +17,7 @@ import shutil
 import time
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -36,6 +36,9 @@ from torch.distributed.checkpoint.state_dict import (
 from shardlm.config import CheckpointSection
 from shardlm._torch_compat import set_element
 from shardlm.errors import CheckpointError
+
+if TYPE_CHECKING:
+    from shardlm.checkpoint.meta import CheckpointMeta
 
 _STEP_RE = re.compile(r"^step-(\d+)$")
 METADATA = ".metadata"
@@ -101,15 +104,16 @@ class Checkpointer:
     """
 
     def __init__(self, cfg: CheckpointSection, folder: Path, rank: int, model: nn.Module,
-                 optimizer: torch.optim.Optimizer, states: dict[str, Any], log=print, trainable_only: bool = False):
+                 optimizer: torch.optim.Optimizer, states: dict[str, Any], log=print, trainable_only: bool = False,
+                 meta: CheckpointMeta | None = None):
         self.cfg, self.folder, self.rank, self.log = cfg, folder, rank, log
         self.model, self.optimizer, self.states = model, optimizer, states
         # trainable_only (LoRA adapters_only): the frozen base is not saved; it is re-read from its source.
         self.options = StateDictOptions(ignore_frozen_params=trainable_only, strict=not trainable_only)
         self._pending: tuple[Future, Path, Path] | None = None
-        # Small files rank 0 puts into every checkpoint before it is published (name -> text), e.g.
-        # model_config.json so that `shardlm convert` can export a checkpoint on its own.
-        self.sidecar_files: dict[str, str] = {}
+        # The sidecar files (model_config.json, ...) rank 0 writes into every checkpoint before it is
+        # published, so that `shardlm convert` can export a checkpoint on its own.
+        self.meta = meta
         # Async saves run their collectives from a background thread: give them their own gloo group
         # so they never interleave with the training loop's (and work when the main backend is NCCL).
         self._async_group = dist.new_group(backend="gloo") if cfg.async_ else None
@@ -223,8 +227,8 @@ class Checkpointer:
         """Rank 0 makes the finished checkpoint visible (atomic rename), then prunes old ones."""
         if self.rank != 0:
             return
-        for name, text in self.sidecar_files.items():
-            (tmp / name).write_text(text)
+        if self.meta is not None:
+            self.meta.save(tmp)
         if final.exists():  # re-saving a step (resumed from an older checkpoint): swap, don't merge
             old = final.with_name(f".{final.name}.replaced")
             final.rename(old)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import sys
@@ -17,13 +16,13 @@ from torch.distributed.tensor import DTensor
 from shardlm._torch_compat import float8_linear_class
 from shardlm.build import build_model, build_model_config, uses_fp8_all_gather
 from shardlm.checkpoint import Checkpointer
+from shardlm.checkpoint.meta import CheckpointMeta
 from shardlm.config import Config
 from shardlm.data import build_loader, load_tokenizer, resolve_files
 from shardlm.data.loader import IGNORE_INDEX
 from shardlm.distributed.env import init_distributed, launched_world_size, restart_store_warning, shutdown_distributed
 from shardlm.errors import ConfigError, TrainingError
 from shardlm.generate import generate
-from shardlm.models import ModelConfig
 from shardlm.observe.metrics import MetricsLogger, Throughput, peak_flops, read_and_reset_peak_memory_gib
 from shardlm.parallel.dims import ParallelDims, dp_rank
 from shardlm.parallel.fsdp import clip_grad_norm_
@@ -32,21 +31,6 @@ from shardlm.train.optim import build_lr_scheduler, build_optimizer
 from shardlm.train.preemption import Preemption
 from shardlm.train.state import TrainState
 from shardlm.train.step import Batch, forward_backward
-
-
-def sidecar_files(cfg: Config, mc: ModelConfig) -> dict[str, str]:
-    """What a checkpoint needs beside its tensors to be exported on its own (`shardlm convert`)."""
-    files = {"model_config.json": json.dumps(dataclasses.asdict(mc), indent=1)}
-    lo = cfg.lora
-    if lo.rank > 0:
-        files["lora_config.json"] = json.dumps({"rank": lo.rank, "alpha": lo.alpha, "dropout": lo.dropout,
-                                                "targets": lo.targets, "adapters_only": lo.adapters_only,
-                                                "base": cfg.model.init_from}, indent=1)
-    d = cfg.model.hf_dir
-    if d is not None:
-        files["hf_source.json"] = json.dumps({"init_from": cfg.model.init_from,
-                                              "tokenizer": cfg.tokenizer_spec()}, indent=1)
-    return files
 
 
 def prepare_output_dir(cfg: Config, is_rank0: bool) -> Path:
@@ -129,8 +113,8 @@ class Trainer:
         self.state = TrainState(self.loader, self.env.device)
         self.checkpointer = Checkpointer(cfg.checkpoint, self.checkpoint_dir, self.env.rank, self.model,
                                          self.optimizer, {"trainer": self.state}, log=self.log,
-                                         trainable_only=cfg.lora.adapters_only)
-        self.checkpointer.sidecar_files.update(sidecar_files(cfg, self.model_cfg))
+                                         trainable_only=cfg.lora.adapters_only,
+                                         meta=CheckpointMeta.from_config(cfg, self.model_cfg))
         self.resumed_from = self.checkpointer.load()
         if self.resumed_from is not None:
             self.log(f"checkpoint: resumed from {self.resumed_from} at step {self.step} "

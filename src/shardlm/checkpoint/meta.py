@@ -1,0 +1,181 @@
+"""The files a checkpoint carries beside DCP's tensors: what it takes to export it on its own.
+
+One owner for the sidecar schema. `CheckpointMeta.save(dir)` writes, `CheckpointMeta.load(dir)` reads:
+
+  model_config.json  `dataclasses.asdict(ModelConfig)` (always written)
+  lora_config.json   {"rank", "alpha", "dropout", "targets", "adapters_only", "base"} when LoRA is on
+                     ("base" is model.init_from again; the reader takes it only when hf_source.json is absent)
+  hf_source.json     {"init_from": "hf:/path", "tokenizer": spec} when the model came from an HF folder
+
+A file that is absent reads as "not recorded" (None); a file that is present but malformed is a
+CheckpointError naming the file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+from shardlm.config import Config, LoraSection
+from shardlm.errors import CheckpointError
+from shardlm.models.llama import ModelConfig, RopeScaling
+
+MODEL_CONFIG_FILE = "model_config.json"
+LORA_CONFIG_FILE = "lora_config.json"
+HF_SOURCE_FILE = "hf_source.json"
+HF_PREFIX = "hf:"
+
+
+def model_config_from_dict(d: Mapping[str, Any]) -> ModelConfig:
+    """The inverse of `dataclasses.asdict(ModelConfig)` (rebuilds RopeScaling); ValueError on bad fields."""
+    if not isinstance(d, Mapping):
+        raise ValueError(f"expected a JSON object, got {type(d).__name__}")
+    names = {f.name for f in dataclasses.fields(ModelConfig)}
+    unknown = sorted(set(d) - names)
+    if unknown:
+        raise ValueError(f"unknown field(s) {', '.join(unknown)}")
+    kw = dict(d)
+    if kw.get("rope_scaling") is not None:
+        try:
+            kw["rope_scaling"] = RopeScaling(**kw["rope_scaling"])
+        except TypeError as e:
+            raise ValueError(f"bad rope_scaling {kw['rope_scaling']!r} ({e})") from None
+    try:
+        return ModelConfig(**kw)
+    except TypeError as e:
+        raise ValueError(str(e)) from None
+
+
+def _lora_from_dict(d: Mapping[str, Any]) -> LoraSection:
+    if not isinstance(d, Mapping):
+        raise ValueError(f"expected a JSON object, got {type(d).__name__}")
+    rank, alpha = d.get("rank"), d.get("alpha")
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank <= 0:
+        raise ValueError(f"'rank' must be a positive integer, got {rank!r}")
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)):
+        raise ValueError(f"'alpha' must be a number, got {alpha!r}")
+    dropout = d.get("dropout", 0.0)
+    if isinstance(dropout, bool) or not isinstance(dropout, (int, float)):
+        raise ValueError(f"'dropout' must be a number, got {dropout!r}")
+    targets = d.get("targets", [])  # [] = not recorded: the exporter takes the adapted modules it finds
+    if not isinstance(targets, list) or not all(isinstance(t, str) for t in targets):
+        raise ValueError(f"'targets' must be a list of module names, got {targets!r}")
+    return LoraSection(rank=rank, alpha=float(alpha), dropout=float(dropout), targets=list(targets),
+                       adapters_only=bool(d.get("adapters_only", False)))
+
+
+def tokenizer_dir_of(spec: str | None) -> Path | None:
+    """The folder holding a tokenizer's files: the spec itself if a folder, else the file's folder;
+    None for the byte tokenizer (or none recorded)."""
+    if spec in (None, "", "bytes"):
+        return None
+    p = Path(spec)
+    return p if p.is_dir() else p.parent
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path}: unreadable ({type(e).__name__}: {e})") from None
+
+
+@dataclass(frozen=True)
+class CheckpointMeta:
+    """What a checkpoint holds besides tensors. `model` is None for a checkpoint without model_config.json."""
+
+    model: ModelConfig | None
+    lora: LoraSection | None = None
+    init_from: str = ""  # model.init_from: "hf:/path" or "" (random init)
+    tokenizer: str | None = None  # the resolved tokenizer spec ("bytes", a tokenizer.json or its folder)
+
+    @classmethod
+    def from_config(cls, cfg: Config, model_cfg: ModelConfig) -> CheckpointMeta:
+        hf = cfg.model.hf_dir is not None
+        return cls(model=model_cfg, lora=dataclasses.replace(cfg.lora) if cfg.lora.rank > 0 else None,
+                   init_from=cfg.model.init_from, tokenizer=cfg.tokenizer_spec() if hf else None)
+
+    # -- derived -----------------------------------------------------------------------------------
+    @property
+    def hf_dir(self) -> Path | None:
+        """The HF folder the model was initialised from (`hf:/path`), or None."""
+        return Path(self.init_from[len(HF_PREFIX):]) if self.init_from.startswith(HF_PREFIX) else None
+
+    @property
+    def tokenizer_dir(self) -> Path | None:
+        """The folder holding the tokenizer files, or None for the byte tokenizer (or none recorded)."""
+        return tokenizer_dir_of(self.tokenizer)
+
+    @property
+    def lora_scaling(self) -> float:
+        """alpha / rank (0.0 without LoRA)."""
+        return self.lora.alpha / self.lora.rank if self.lora is not None else 0.0
+
+    # -- files -------------------------------------------------------------------------------------
+    def files(self) -> dict[str, str]:
+        """File name -> text, exactly what `save` writes."""
+        out = {}
+        if self.model is not None:
+            out[MODEL_CONFIG_FILE] = json.dumps(dataclasses.asdict(self.model), indent=1)
+        lo = self.lora
+        if lo is not None:
+            out[LORA_CONFIG_FILE] = json.dumps({"rank": lo.rank, "alpha": lo.alpha, "dropout": lo.dropout,
+                                                "targets": lo.targets, "adapters_only": lo.adapters_only,
+                                                "base": self.init_from}, indent=1)
+        if self.hf_dir is not None:
+            out[HF_SOURCE_FILE] = json.dumps({"init_from": self.init_from, "tokenizer": self.tokenizer}, indent=1)
+        return out
+
+    def save(self, directory: str | Path) -> None:
+        d = Path(directory)
+        for name, text in self.files().items():
+            (d / name).write_text(text)
+
+    @classmethod
+    def load(cls, directory: str | Path) -> CheckpointMeta:
+        """The sidecar files of a checkpoint folder; absent ones read as not recorded."""
+        d = Path(directory)
+        model = lora = None
+        init_from, tokenizer, source = "", None, d
+        path = d / MODEL_CONFIG_FILE
+        if path.is_file():
+            try:
+                model = model_config_from_dict(_read_json(path))
+            except ValueError as e:
+                raise CheckpointError(f"{path}: {e}") from None
+        path = d / LORA_CONFIG_FILE
+        if path.is_file():
+            raw = _read_json(path)
+            try:
+                lora = _lora_from_dict(raw)
+            except ValueError as e:
+                raise CheckpointError(f"{path}: {e}") from None
+            init_from, source = raw.get("base") or "", path
+        path = d / HF_SOURCE_FILE
+        if path.is_file():
+            raw = _read_json(path)
+            if not isinstance(raw, dict) or not isinstance(raw.get("init_from", ""), str) \
+                    or not isinstance(raw.get("tokenizer"), (str, type(None))):
+                raise CheckpointError(f"{path}: expected {{\"init_from\": \"hf:/path\", \"tokenizer\": spec}}, "
+                                      f"got {raw!r}")
+            init_from, tokenizer, source = raw.get("init_from", ""), raw.get("tokenizer"), path
+        if not isinstance(init_from, str) or (init_from and not init_from.startswith(HF_PREFIX)):
+            raise CheckpointError(f"{source}: init_from {init_from!r} is not an hf:/path")
+        return cls(model=model, lora=lora, init_from=init_from, tokenizer=tokenizer)
+
+    def require_model(self, where: str | Path) -> ModelConfig:
+        """`model`, or a CheckpointError saying the checkpoint does not record it."""
+        if self.model is None:
+            raise CheckpointError(f"{where} has no {MODEL_CONFIG_FILE}; pass the model config (preset and "
+                                  "overrides the checkpoint was trained with)")
+        return self.model
+
+    def require_lora(self, where: str | Path) -> LoraSection:
+        """`lora`, or a CheckpointError saying the checkpoint holds adapters without their config."""
+        if self.lora is None:
+            raise CheckpointError(f"{where} holds LoRA adapters but no {LORA_CONFIG_FILE}; pass the LoRA rank "
+                                  "and alpha")
+        return self.lora
