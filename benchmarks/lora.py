@@ -26,7 +26,7 @@ line); the other rank waits (broadcast).
    after the Trainer was built (model loaded, data tokenised) minus the baseline. Medians over the R builds.
 2. HF load, same process, both ranks at once, R times alternating, medians:
      shardlm  `shardlm.trainer.build_model` (what the Trainer runs: Transformer on meta -> fully_shard each
-              block + root -> to_empty -> init_weights -> `hf_io.load_hf_weights`: every rank reads only its
+              block + root -> to_empty -> init_weights -> `interop.hf.load.load_hf_weights`: every rank reads only its
               own rows of each tensor from the memory-mapped safetensors),
      HF       `transformers.AutoModelForCausalLM.from_pretrained(dir, dtype=float32)` of the same files,
               on EVERY rank (each rank builds the whole model, as a non-sharded loader does).
@@ -195,7 +195,7 @@ def run(args, tmp: Path, rank: int, world: int, t_start: float) -> None:
             (p.to_local() if isinstance(p, DTensor) else p).sum()
 
     # Untimed: the two loads agree (same logits on the same tokens); where build_model's time goes.
-    import shardlm.hf_io as hf_io
+    import shardlm.interop.hf.load as hf_io
     from shardlm.models import Transformer
 
     parts = {"init_weights": 0.0, "load_hf_weights": 0.0}

@@ -32,7 +32,7 @@ def build_model_config(cfg: Config, tokenizer_vocab: int) -> ModelConfig:
     overrides = {k: v for k, v in dataclasses.asdict(cfg.model).items()
                  if k not in ("preset", "init_from") and v is not None}
     if cfg.model.hf_dir is not None:
-        from shardlm.hf_io import read_hf_config
+        from shardlm.interop.hf.config import read_hf_config
 
         if overrides:
             raise ConfigError(f"model.{next(iter(overrides))} cannot change the shape of a model loaded with "
@@ -63,7 +63,7 @@ def materialize_weights(model: Transformer, cfg: Config, device: torch.device) -
     if cfg.model.hf_dir is None:
         model.init_weights(seed=cfg.train.seed, shard_view=shard_view)  # LoRA adapters start here too (B = 0)
         return
-    from shardlm.hf_io import load_hf_weights
+    from shardlm.interop.hf.load import load_hf_weights
     from shardlm.lora import is_lora_param
 
     # The HF files hold every base weight (load_hf_weights errors on any missing): draw only the

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from shardlm.models.hf import hf_key_to_ours, our_key_to_hf
+from shardlm.interop.hf.names import LORA_RE, hf_key_to_ours, our_key_to_hf
 from shardlm.models.llama import InitSpec, RMSNorm
 
 DEFAULT_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -178,7 +178,6 @@ def lora_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 # -- peft interop ---------------------------------------------------------------------------------
-_OURS = re.compile(r"^(?P<mod>.+)\.(?P<ab>lora_[AB])\.weight$")
 # peft's live state dict carries the adapter name (`lora_A.default.weight`); saved files do not.
 _PEFT = re.compile(r"^(?P<mod>.+)\.(?P<ab>lora_[AB])(?:\.[^.]+)?\.weight$")
 
@@ -187,7 +186,7 @@ def to_peft_state_dict(lora_sd: Mapping[str, torch.Tensor]) -> dict[str, torch.T
     """`layers.0.self_attn.q_proj.lora_A.weight` -> `base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight`."""
     out = {}
     for key, t in lora_sd.items():
-        m = _OURS.match(key)
+        m = LORA_RE.match(key)
         if m is None:
             raise ValueError(f"to_peft_state_dict: {key!r} is not a LoRA weight (only lora_A/lora_B are exported)")
         hf_mod = our_key_to_hf(m["mod"] + ".weight").removesuffix(".weight")  # `lm_head` stays unprefixed

@@ -1,11 +1,11 @@
-"""HF safetensors <-> our sharded model and DCP checkpoints (shardlm.hf_io), on real gloo ranks.
+"""HF safetensors <-> our sharded model and DCP checkpoints (shardlm.interop.hf), on real gloo ranks.
 
 One spawn of 2 ranks does all the distributed work (three HF folders: an untied Llama with Llama-3.1
 RoPE scaling, a tied Qwen2 as save_pretrained writes it, and the same with `lm_head.weight` stored
 too); the rest (export, import, errors, LoRA) runs in the test process without a process group.
 
 How "each rank reads only its own slices" is measured, on each rank, during `load_hf_weights` only:
-  * bytes read from the files: `hf_io.safe_open` is wrapped so every tensor materialised from a file
+  * bytes read from the files: `shardlm.interop.hf.load.safe_open` is wrapped so every tensor materialised from a file
     (`get_slice(...)[...]` or `get_tensor`) is counted. safetensors memory-maps the file and hands out
     views, so this is what is actually paged in and copied.
   * bytes allocated: a TorchDispatchMode records the largest floating-point tensor produced by any
@@ -172,29 +172,30 @@ def _ranks_load_and_save(cases: dict) -> dict:
     )
     from torch.distributed.device_mesh import init_device_mesh
 
-    from shardlm import hf_io
     from shardlm.distributed.env import init_distributed
+    from shardlm.interop.hf import load as hf_load
+    from shardlm.interop.hf.config import read_hf_config
     from shardlm.models.llama import Transformer
     from shardlm.parallel.fsdp import apply_fsdp, mp_policy, shard_view
 
     env = init_distributed("cpu")
     mesh = init_device_mesh("cpu", (env.world_size,), mesh_dim_names=("dp_shard",))
     Reads, File, Allocs = _measuring_tools()
-    real_open = hf_io.safe_open
+    real_open = hf_load.safe_open
     out = {}
     for name, case in cases.items():
-        cfg, _ = hf_io.read_hf_config(case["hf_dir"])
+        cfg, _ = read_hf_config(case["hf_dir"])
         with torch.device("meta"):
             model = Transformer(cfg)
         apply_fsdp(model, mesh, mp_policy("fp32", "fp32"))
         model.to_empty(device="cpu")
         reads = Reads()
-        hf_io.safe_open = lambda *a, **k: File(reads, *a, **k)
+        hf_load.safe_open = lambda *a, **k: File(reads, *a, **k)
         try:
             with Allocs() as allocs:
-                skipped = hf_io.load_hf_weights(model, case["hf_dir"])
+                skipped = hf_load.load_hf_weights(model, case["hf_dir"])
         finally:
-            hf_io.safe_open = real_open
+            hf_load.safe_open = real_open
         # Each rank's shard is exactly its rows of the HF tensor (read whole here, after the measurement).
         full = {}
         for f in Path(case["hf_dir"]).glob("*.safetensors"):
@@ -259,7 +260,7 @@ def world(tmp_path_factory):
     refs["qwen2_tied_head"] = refs["qwen2_tied"]
     cases["qwen2_tied_head"] = {"hf_dir": str(tmp / "qwen2_tied_head"), "ckpt": str(tmp / "ckpt_qwen2_tied_head"),
                                 "write_model_config": False}
-    from shardlm.hf_io import import_hf_to_dcp
+    from shardlm.interop.hf.import_ import import_hf_to_dcp
 
     cases["llama"]["imported"] = str(tmp / "imported" / "step-0")
     import_hf_to_dcp(cases["llama"]["hf_dir"], cases["llama"]["imported"])
@@ -291,7 +292,7 @@ def test_each_rank_reads_and_allocates_only_its_shard(world, name):
 
 
 def _export_and_reload(world, name, out, **kw):
-    from shardlm.hf_io import export_hf
+    from shardlm.interop.hf.export import export_hf
 
     info = export_hf(world["cases"][name]["ckpt"], out, **kw)
     return info, _tf().AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager").eval()
@@ -320,7 +321,7 @@ def test_export_round_trip(world, tmp_path):
     assert back.config.head_dim == 32
     assert (_logits(back) - world["refs"]["qwen3"]["logits"]).abs().max().item() <= 1e-5
     # bf16 export: the weights are the originals rounded to bf16.
-    from shardlm.hf_io import export_hf
+    from shardlm.interop.hf.export import export_hf
 
     export_hf(world["cases"]["llama"]["ckpt"], tmp_path / "bf16", dtype="bf16")
     got = _hf_tensors(tmp_path / "bf16")
@@ -336,7 +337,8 @@ def test_imported_checkpoint_loads_sharded(world):
 def test_import_then_export_is_exact(world, tmp_path):
     from shardlm.checkpoint import read_keys
     from shardlm.checkpoint.meta import CheckpointMeta
-    from shardlm.hf_io import export_hf, import_hf_to_dcp
+    from shardlm.interop.hf.export import export_hf
+    from shardlm.interop.hf.import_ import import_hf_to_dcp
 
     for name in ("llama", "qwen2_tied_head"):
         ck = tmp_path / name / "step-0"
@@ -353,7 +355,7 @@ def test_import_then_export_is_exact(world, tmp_path):
 
 
 def _plain_model(hf_dir):
-    from shardlm.hf_io import read_hf_config
+    from shardlm.interop.hf.config import read_hf_config
     from shardlm.models.llama import Transformer
 
     cfg, _ = read_hf_config(hf_dir)
@@ -365,7 +367,9 @@ def _plain_model(hf_dir):
 
 def test_bad_hf_folders_are_config_errors(world, tmp_path):
     from shardlm.errors import ConfigError
-    from shardlm.hf_io import import_hf_to_dcp, load_hf_weights, read_hf_config
+    from shardlm.interop.hf.config import read_hf_config
+    from shardlm.interop.hf.import_ import import_hf_to_dcp
+    from shardlm.interop.hf.load import load_hf_weights
 
     src = Path(world["cases"]["llama"]["hf_dir"])
     model = _plain_model(src)
@@ -418,7 +422,7 @@ def test_bad_hf_folders_are_config_errors(world, tmp_path):
 
 def test_tied_folder_with_only_the_head(world, tmp_path):
     """A tied model stored as lm_head.weight alone (no embed_tokens): the head feeds the embedding."""
-    from shardlm.hf_io import load_hf_weights
+    from shardlm.interop.hf.load import load_hf_weights
 
     d = tmp_path / "head_only"
     shutil.copytree(world["cases"]["qwen2_tied_head"]["hf_dir"], d)
@@ -432,11 +436,11 @@ def test_tied_folder_with_only_the_head(world, tmp_path):
 
 def test_export_errors(world, tmp_path):
     from shardlm.errors import CheckpointError, ConfigError
-    from shardlm.hf_io import export_hf
+    from shardlm.interop.hf.export import export_hf
 
     with pytest.raises(CheckpointError, match="no model_config.json"):
         export_hf(world["cases"]["qwen2_tied"]["ckpt"], tmp_path / "x")
-    with pytest.raises(ConfigError, match="not a complete DCP checkpoint"):
+    with pytest.raises(CheckpointError, match=r"not a complete checkpoint \(no \.metadata\)"):
         export_hf(tmp_path, tmp_path / "x")
     wrong = world["results"]["qwen2_tied"]["cfg"]  # a config that does not fit the llama checkpoint
     with pytest.raises(ConfigError, match=r"missing tensor\(s\) layers\.0\.self_attn\.q_proj\.bias"):
@@ -448,7 +452,8 @@ def test_lora_merge_and_peft_adapter(world, tmp_path):
     import torch.distributed.checkpoint as dcp
 
     from shardlm.errors import CheckpointError, ConfigError
-    from shardlm.hf_io import export_hf, export_peft_adapter, load_hf_weights
+    from shardlm.interop.hf.export import export_hf, export_peft_adapter
+    from shardlm.interop.hf.load import load_hf_weights
     from shardlm.lora import apply_lora
 
     hf_dir = world["cases"]["llama"]["hf_dir"]
@@ -493,31 +498,39 @@ def test_lora_merge_and_peft_adapter(world, tmp_path):
     assert (_logits(with_adapter) - want).abs().max().item() <= 1e-5
 
 
-def test_export_holds_one_shard_and_one_read_at_a_time(world, tmp_path, monkeypatch):
+def test_export_holds_one_shard_and_one_read_at_a_time(world, tmp_path):
     """Export memory is bounded by construction: every checkpoint read is one batch (here: one
-    tensor) and every output file one shard; neither is ever the whole model."""
-    import safetensors.torch
+    tensor), each yield of iter_hf_tensors holds only what that read completed, and every output file
+    is one planned shard; none of them is ever the whole model."""
+    from safetensors import safe_open
 
-    from shardlm import hf_io
+    from shardlm.checkpoint.reader import CheckpointReader
+    from shardlm.interop.hf.export import export_hf, iter_hf_tensors, plan_shards
+    from shardlm.interop.hf.names import expected_shapes, natural_key
 
-    reads, shards = [], []
-    real_read, real_save = hf_io._read_tensors, safetensors.torch.save_file
-
-    def read(reader, metas, names):
-        out = real_read(reader, metas, names)
-        reads.append(sum(t.numel() * t.element_size() for t in out.values()))
-        return out
-
-    def save(tensors, *a, **k):
-        shards.append(sum(t.numel() * t.element_size() for t in tensors.values()))
-        return real_save(tensors, *a, **k)
-
-    monkeypatch.setattr(hf_io, "_read_tensors", read)
-    monkeypatch.setattr(safetensors.torch, "save_file", save)
-    monkeypatch.setattr(hf_io, "_READ_BATCH_BYTES", 1)  # one tensor per read
-    hf_io.export_hf(world["cases"]["llama"]["ckpt"], tmp_path / "out", dtype="fp32", max_shard_bytes=60_000)
-    total = sum(v.numel() * v.element_size() for v in world["refs"]["llama"]["sd"].values())
-    largest = max(v.numel() * v.element_size() for v in world["refs"]["llama"]["sd"].values())
-    assert len(shards) > 2 and sum(shards) == total
-    assert max(reads) == largest and max(reads) < total / 4
-    assert all(s <= max(60_000, largest) for s in shards)
+    sd = world["refs"]["llama"]["sd"]
+    total = sum(v.numel() * v.element_size() for v in sd.values())
+    largest = max(v.numel() * v.element_size() for v in sd.values())
+    reader = CheckpointReader(world["cases"]["llama"]["ckpt"])
+    expected = expected_shapes(world["results"]["llama"]["cfg"])
+    sizes = {n: reader.tensors[n].nbytes for n in sorted(expected, key=natural_key)}
+    shards = plan_shards(sizes, 60_000)
+    yields = []
+    for shard in shards:
+        got = {}
+        for batch in iter_hf_tensors(reader, shard, {}, 0.0, torch.float32, batch_bytes=1):  # one tensor per read
+            assert len(batch) == 1, sorted(batch)
+            yields.append(sum(t.numel() * t.element_size() for t in batch.values()))
+            got.update(batch)
+        assert sorted(got) == sorted("model." + n if n != "lm_head.weight" else n for n in shard)
+        assert all(torch.equal(t, sd[k]) for k, t in got.items())
+    assert len(shards) > 2 and sum(yields) == total
+    assert max(yields) == largest and max(yields) < total / 4
+    # The real export writes exactly those shards, each at most max(60_000, largest) bytes of tensors.
+    info = export_hf(world["cases"]["llama"]["ckpt"], tmp_path / "out", dtype="fp32", max_shard_bytes=60_000)
+    written = []
+    for f in info["files"]:
+        with safe_open(str(tmp_path / "out" / f), framework="pt") as fh:
+            written.append(sum(fh.get_tensor(k).numel() * 4 for k in fh.keys()))  # noqa: SIM118
+    assert len(written) == len(shards) and sum(written) == total == info["total_size"]
+    assert all(s <= max(60_000, largest) for s in written)

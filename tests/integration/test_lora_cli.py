@@ -68,7 +68,7 @@ def test_lora_trains_and_only_adapters_change(run):
     assert loss[20] < loss[1] - 1.0, loss
     from safetensors.torch import load_file
 
-    from shardlm.models.hf import hf_key_to_ours
+    from shardlm.interop.hf.names import hf_key_to_ours
 
     base = {}
     for f in sorted((tmp / "assets" / "model").glob("*.safetensors")):

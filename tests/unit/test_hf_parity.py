@@ -11,9 +11,8 @@ transformers = pytest.importorskip("transformers")
 
 from hf_tiny import tiny_hf_model  # noqa: E402
 
-from shardlm.models.hf import (  # noqa: E402
-    config_from_hf,
-    config_to_hf,
+from shardlm.interop.hf.config import config_from_hf, config_to_hf  # noqa: E402
+from shardlm.interop.hf.names import (  # noqa: E402
     hf_key_to_ours,
     hf_state_dict_to_ours,
     our_key_to_hf,

@@ -14,6 +14,8 @@ from hf_tiny import tiny_hf_model  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
 from shardlm.config import TrainSection  # noqa: E402
+from shardlm.interop.hf.config import config_from_hf  # noqa: E402
+from shardlm.interop.hf.names import hf_state_dict_to_ours, our_state_dict_to_hf  # noqa: E402
 from shardlm.lora import (  # noqa: E402
     DEFAULT_TARGETS,
     LoRALinear,
@@ -25,11 +27,6 @@ from shardlm.lora import (  # noqa: E402
     merge_lora,
     peft_adapter_config,
     to_peft_state_dict,
-)
-from shardlm.models.hf import (  # noqa: E402
-    config_from_hf,
-    hf_state_dict_to_ours,
-    our_state_dict_to_hf,
 )
 from shardlm.models.llama import ModelConfig, Transformer  # noqa: E402
 from shardlm.train.optim import build_optimizer  # noqa: E402

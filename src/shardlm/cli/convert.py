@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
-from pathlib import Path
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -25,34 +23,19 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 def run(a: argparse.Namespace, overrides: list[str]) -> int:
-    from shardlm import hf_io
-    from shardlm.errors import ConfigError
-
     if a.direction == "hf-to-dcp":
-        hf_io.import_hf_to_dcp(a.hf_dir, a.out, dtype=a.dtype)
+        from shardlm.interop.hf.import_ import import_hf_to_dcp
+
+        import_hf_to_dcp(a.hf_dir, a.out, dtype=a.dtype)
         print(f"wrote DCP checkpoint {a.out} (model only; train with checkpoint.resume={a.out})")
         return 0
-    ck = Path(a.checkpoint)
-    if not (ck / ".metadata").is_file():
-        raise ConfigError(f"{ck} is not a complete shardlm checkpoint (no .metadata); pass a step-N directory")
-    source = json.loads((ck / "hf_source.json").read_text()) if (ck / "hf_source.json").is_file() else {}
-    if a.adapter_only:
-        hf_io.export_peft_adapter(ck, a.out, base_model_name_or_path=source.get("init_from", "")[3:] or None)
+    from shardlm.interop.hf.export import export_checkpoint
+
+    info = export_checkpoint(a.checkpoint, a.out, merge_lora=a.merge_lora, adapter_only=a.adapter_only,
+                             dtype=a.dtype, tokenizer_dir=a.tokenizer)
+    if info["kind"] == "peft":
         print(f"wrote peft adapter to {a.out} (adapter_model.safetensors, adapter_config.json)")
-        return 0
-    lora = json.loads((ck / "lora_config.json").read_text()) if (ck / "lora_config.json").is_file() else {}
-    if lora.get("adapters_only"):
-        raise ConfigError(f"{ck} holds LoRA adapters only (lora.adapters_only): export them with --adapter-only "
-                          "and load them on the base model with peft")
-    tok = a.tokenizer or source.get("tokenizer")
-    tok = None if tok in (None, "bytes") else (Path(tok) if Path(tok).is_dir() else Path(tok).parent)
-    overrides = {}
-    base = source.get("init_from", "")[3:]
-    if base and (Path(base) / "config.json").is_file():  # keep the base's context length, not our seq_len
-        base_cfg = json.loads((Path(base) / "config.json").read_text())
-        if "max_position_embeddings" in base_cfg:
-            overrides["max_position_embeddings"] = base_cfg["max_position_embeddings"]
-    info = hf_io.export_hf(ck, a.out, dtype=a.dtype, merge_lora=a.merge_lora, tokenizer_dir=tok,
-                           hf_config_overrides=overrides or None)
-    print(f"wrote HF model to {a.out}: {len(info['files'])} safetensors file(s), {info['total_size'] / 1e6:.1f} MB")
+    else:
+        print(f"wrote HF model to {a.out}: {len(info['files'])} safetensors file(s), "
+              f"{info['total_size'] / 1e6:.1f} MB")
     return 0

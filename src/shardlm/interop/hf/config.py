@@ -1,16 +1,19 @@
-"""Hugging Face interop: `config.json` <-> `ModelConfig`, and checkpoint key/shape mapping.
+"""HF `config.json` <-> our `ModelConfig` (Llama 2/3/3.1/3.2, Mistral, Qwen2, Qwen3).
 
-Plain PyTorch and the standard library only (no `transformers` import), so a checkpoint can be
-converted on a machine without it. Supported: Llama (2/3/3.1/3.2), Mistral, Qwen2 and Qwen3.
+`config_from_hf` / `config_to_hf` work on dicts and raise ValueError; `read_hf_config` reads a folder's
+config.json and turns every problem into one ConfigError line naming the file.
 """
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+import json
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
 
-import torch
-
-from shardlm.models.llama import ModelConfig, RopeScaling, Transformer
+from shardlm.errors import ConfigError
+from shardlm.models.llama import ModelConfig, RopeScaling
 
 ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
@@ -18,8 +21,6 @@ ARCHITECTURES = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
 }
-_HF_PREFIX = "model."
-_UNTIED_HEAD = "lm_head.weight"
 
 
 def _req(hf: Mapping[str, Any], key: str) -> Any:
@@ -144,54 +145,22 @@ def config_to_hf(cfg: ModelConfig, model_type: str | None = None) -> dict[str, A
     return d
 
 
-def hf_key_to_ours(key: str) -> str:
-    """HF tensor name -> ours: strip the leading `model.` (`lm_head.weight` is unchanged)."""
-    if key == _UNTIED_HEAD:
-        return key
-    if not key.startswith(_HF_PREFIX):
-        raise ValueError(f"unexpected HF tensor {key!r}: expected 'lm_head.weight' or a name starting with 'model.'")
-    return key[len(_HF_PREFIX):]
-
-
-def our_key_to_hf(key: str) -> str:
-    """Our tensor name -> HF's: prepend `model.` (`lm_head.weight` is unchanged)."""
-    return key if key == _UNTIED_HEAD else _HF_PREFIX + key
-
-
-def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Our state-dict names and shapes for `cfg` (built on the meta device: no memory)."""
-    with torch.device("meta"):
-        model = Transformer(cfg)
-    return {k: tuple(v.shape) for k, v in model.state_dict().items()}
-
-
-def _check(sd: Mapping[str, torch.Tensor], cfg: ModelConfig, to_name, shown_name) -> dict[str, torch.Tensor]:
-    """Rename every tensor with `to_name` and check names/shapes against our model (errors use `shown_name`)."""
-    expected = expected_shapes(cfg)
-    out: dict[str, torch.Tensor] = {}
-    for key, t in sd.items():
-        if cfg.tie_embeddings and key == _UNTIED_HEAD:
-            continue  # tied: the head is embed_tokens.weight
-        if key.endswith("rotary_emb.inv_freq"):
-            continue  # a buffer old HF checkpoints saved; recomputed from the config
-        ours = to_name(key)
-        if ours not in expected:
-            raise ValueError(f"unexpected tensor {key!r}: our model for this config has no such parameter")
-        if tuple(t.shape) != expected[ours]:
-            raise ValueError(f"tensor {key!r} has shape {tuple(t.shape)}, expected {expected[ours]}")
-        out[ours] = t
-    missing = [shown_name(k) for k in expected if k not in out]
-    if missing:
-        more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
-        raise ValueError(f"missing tensor(s): {', '.join(missing[:5])}{more}")
-    return out
-
-
-def hf_state_dict_to_ours(sd: Mapping[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """An HF state dict renamed to ours, checked against `Transformer(cfg)`'s names and shapes."""
-    return _check(sd, cfg, hf_key_to_ours, our_key_to_hf)
-
-
-def our_state_dict_to_hf(sd: Mapping[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """Our state dict, checked against `Transformer(cfg)`, renamed to HF's (no `lm_head.weight` when tied)."""
-    return {our_key_to_hf(k): v for k, v in _check(sd, cfg, lambda k: k, lambda k: k).items()}
+def read_hf_config(hf_dir: str | os.PathLike, max_seq_len: int | None = None) -> tuple[ModelConfig, dict]:
+    """(our ModelConfig, the raw config.json dict) for an HF model folder; ConfigError if unusable."""
+    d = Path(hf_dir)
+    if not d.is_dir():
+        raise ConfigError(f"HF model folder {str(d)!r} does not exist; pass a folder holding config.json and "
+                          "*.safetensors (a local copy: nothing is downloaded)")
+    path = d / "config.json"
+    if not path.is_file():
+        raise ConfigError(f"{path} not found: {str(d)!r} is not an HF model folder (it needs config.json)")
+    try:
+        hf = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ConfigError(f"{path}: unreadable ({type(e).__name__}: {e})") from None
+    if not isinstance(hf, dict):
+        raise ConfigError(f"{path}: expected a JSON object")
+    try:
+        return config_from_hf(hf, max_seq_len=max_seq_len), hf
+    except ValueError as e:
+        raise ConfigError(f"{path}: {e}") from None

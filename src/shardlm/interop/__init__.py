@@ -1,0 +1,1 @@
+"""Interop with other ecosystems' formats: `hf` (Hugging Face models and checkpoints)."""

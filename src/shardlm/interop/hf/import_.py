@@ -1,0 +1,91 @@
+"""An HF model folder -> a model-only DCP checkpoint our trainer can load (`shardlm convert hf-to-dcp`)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import warnings
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from safetensors import safe_open
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.planner import WriteItemType
+
+from shardlm.checkpoint.meta import CheckpointMeta
+from shardlm.checkpoint.reader import SINGLE_PROCESS_WARNING
+from shardlm.errors import ConfigError
+from shardlm.interop.hf.config import read_hf_config
+from shardlm.interop.hf.export import OUT_DTYPES
+from shardlm.interop.hf.load import ST_DTYPES, check_hf_tensors, scan_hf_weights
+from shardlm.interop.hf.names import expected_shapes, our_key_to_hf
+from shardlm.models.llama import ModelConfig
+
+
+class _LazyHFPlanner(DefaultSavePlanner):
+    """A DCP save planner whose state dict holds meta tensors; each tensor's data is read from its HF file
+    (and converted) only when the writer asks for it, then dropped after it is written."""
+
+    def __init__(self, sources: Mapping[str, tuple[Path, str]], dtype_of: Mapping[str, torch.dtype]):
+        super().__init__()
+        self.sources, self.dtype_of = sources, dtype_of
+
+    def resolve_data(self, write_item):
+        if write_item.type == WriteItemType.BYTE_IO:
+            return super().resolve_data(write_item)
+        fqn = write_item.index.fqn
+        path, hf_name = self.sources[fqn]
+        with safe_open(str(path), framework="pt") as f:
+            return f.get_tensor(hf_name).to(self.dtype_of[fqn], copy=True).contiguous()
+
+
+@torch.no_grad()
+def import_hf_to_dcp(
+    hf_dir: str | os.PathLike,
+    out_checkpoint_dir: str | os.PathLike,
+    *,
+    dtype: str | None = "fp32",
+    max_seq_len: int | None = None,
+) -> ModelConfig:
+    """Convert an HF model folder to a model-only DCP checkpoint (`model.*` keys) our trainer can load.
+
+    Offline, one process, no process group (`dcp.save(no_dist=True)`). The state dict DCP plans with
+    holds meta tensors; a custom planner reads each tensor from its safetensors file when the writer
+    reaches it, so at most about one tensor (plus its `dtype` copy) is in memory at a time — peak
+    memory is ~2x the largest tensor (the embedding), whatever the model size. `dtype` None keeps the
+    files' dtypes; the default fp32 matches our training parameters. Also writes model_config.json.
+    The result is one `__0_0.distcp` file: any number of ranks can load it (DCP reshards on load).
+    Returns the ModelConfig.
+    """
+    src = Path(hf_dir)
+    cfg, _ = read_hf_config(src, max_seq_len=max_seq_len)
+    stored = scan_hf_weights(src)
+    ours = expected_shapes(cfg)
+    source = check_hf_tensors(stored, {our_key_to_hf(k): v for k, v in ours.items()}, cfg.tie_embeddings, src)
+    if dtype is not None and dtype not in OUT_DTYPES:
+        raise ConfigError(f"dtype {dtype!r} is not supported; use one of {', '.join(OUT_DTYPES)} or None")
+    sources, dtype_of, meta_sd = {}, {}, {}
+    for name, shape in ours.items():
+        hf_name = source[our_key_to_hf(name)]
+        t = stored[hf_name]
+        dt = OUT_DTYPES[dtype] if dtype is not None else ST_DTYPES[t.dtype]
+        fqn = f"model.{name}"
+        sources[fqn], dtype_of[fqn] = (t.file, hf_name), dt
+        meta_sd[name] = torch.empty(shape, dtype=dt, device="meta")
+    out = Path(out_checkpoint_dir)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ConfigError(f"{out} already exists and is not an empty folder; pass a new checkpoint folder")
+    tmp = out.with_name(f".{out.name}.partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=SINGLE_PROCESS_WARNING)
+        dcp.save({"model": meta_sd}, checkpoint_id=str(tmp), planner=_LazyHFPlanner(sources, dtype_of),
+                 no_dist=True)
+    CheckpointMeta(model=cfg).save(tmp)
+    if out.exists():
+        out.rmdir()  # an empty folder (a non-empty one is refused by rmdir)
+    tmp.rename(out)
+    return cfg
