@@ -18,20 +18,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace, overrides: list[str]) -> int:
     from shardlm.config import load_config
+    from shardlm.train.trainer import train
 
-    cfg = load_config(args.config, overrides)
-
-    from shardlm.train.trainer import Trainer
-
-    trainer = None
-    try:
-        trainer = Trainer(cfg)
-        trainer.train()
-    finally:
-        if trainer is not None:
-            trainer.close()
-        else:  # the Trainer failed part-way: still free the process group it may have joined
-            from shardlm.distributed.env import shutdown_distributed
-
-            shutdown_distributed()
+    train(load_config(args.config, overrides))
     return 0

@@ -292,3 +292,16 @@ class Trainer:
         # here and not during interpreter shutdown (see shutdown_distributed).
         self.model = self.optimizer = self.scheduler = self.params = None
         shutdown_distributed()
+
+
+def train(cfg: Config) -> list[dict]:
+    """Build a Trainer from `cfg`, run it to the end and release everything, also after an error."""
+    trainer = None
+    try:
+        trainer = Trainer(cfg)
+        return trainer.train()
+    finally:
+        if trainer is not None:
+            trainer.close()
+        else:  # the Trainer failed part-way: still free the process group it may have joined
+            shutdown_distributed()
