@@ -37,13 +37,9 @@ CASES = {
                     "--data.seq_len=128"], "none"),
     "debug_bf16_ac_full": (["--model.preset=debug", "--train.mixed_precision=bf16", "--train.micro_batch_size=8",
                             "--data.seq_len=128"], "full"),
-    "debug_fp32_accum2": (["--model.preset=debug", "--train.mixed_precision=fp32", "--train.micro_batch_size=4",
-                           "--train.grad_accum=2", "--data.seq_len=128"], "none"),
     "debug_fp32_accum2_step": (["--model.preset=debug", "--train.mixed_precision=fp32", "--train.micro_batch_size=4",
                                 "--train.grad_accum=2", "--train.grad_sync=step", "--data.seq_len=128"], "none"),
-    # grad_accum=4 vs 1 at the same micro-batch: the gradient bytes per rank must not grow (see below)
-    "debug_fp32_mb4": (["--model.preset=debug", "--train.mixed_precision=fp32", "--train.micro_batch_size=4",
-                        "--data.seq_len=128"], "none"),
+    # grad_accum=4 (train.grad_sync=micro_batch): the gradient bytes per rank must not grow (see below)
     "debug_fp32_accum4": (["--model.preset=debug", "--train.mixed_precision=fp32", "--train.micro_batch_size=4",
                            "--train.grad_accum=4", "--data.seq_len=128"], "none"),
     "debug_fp8_emulated": (["--model.preset=debug", "--train.mixed_precision=fp8", "--train.fp8_emulate=true",
@@ -158,7 +154,7 @@ def test_gradients_stay_sharded_under_accumulation(real, world):
     from shardlm.build import build_model_config
 
     r = real[world]
-    one, four = r["debug_fp32_mb4"]["grads"], r["debug_fp32_accum4"]["grads"]
+    one, four = r["debug_fp32"]["grads"], r["debug_fp32_accum4"]["grads"]
     assert four["mid"] == pytest.approx(one["end"], rel=0.02) and four["end"] == pytest.approx(one["end"], rel=0.02)
     n_params = build_model_config(_config(CASES["debug_fp32"][0], "none"), 0).num_params()
     assert one["end"] == pytest.approx(4 * n_params / world, rel=0.05)  # fp32, sharded over the ranks
