@@ -47,13 +47,23 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, mp: MixedPrecisionPolicy,
     return model  # type: ignore[return-value]
 
 
+def shard_region(p: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...], tuple[int, ...]]:
+    """(local tensor, its shape, its offset in the global tensor) of a DTensor, or of a plain tensor."""
+    if not isinstance(p, DTensor):
+        return p.data, tuple(p.shape), (0,) * p.ndim
+    local = p.to_local()
+    shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+    if tuple(local.shape) != tuple(shape):
+        raise RuntimeError(f"local shard of shape {tuple(local.shape)} where the placements say {tuple(shape)}")
+    return local, tuple(shape), tuple(offset)
+
+
 def shard_view(p: torch.Tensor) -> tuple[torch.Tensor, int]:
     """(local tensor, global index of its first row) of a dim-0 sharded DTensor, or (p, 0)."""
     if not isinstance(p, DTensor):
         return p, 0
-    local = p.to_local()
-    _, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
-    return local, (offset[0] if len(offset) else 0)
+    local, _, offset = shard_region(p)
+    return local, (offset[0] if offset else 0)
 
 
 @torch.no_grad()

@@ -21,12 +21,12 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from shardlm.errors import ConfigError
 from shardlm.interop.hf.config import read_hf_config
 from shardlm.interop.hf.names import our_key_to_hf, validate
 from shardlm.lora import is_lora_param
+from shardlm.parallel.fsdp import shard_region
 from shardlm.models.llama import ModelConfig
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -100,19 +100,6 @@ def check_hf_tensors(stored: Mapping[str, HFTensor], want: Mapping[str, tuple[in
     return source
 
 
-def _local_region(p: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...], tuple[int, ...]]:
-    """(local tensor, its shape, its offset in the global tensor) for a DTensor or a plain tensor."""
-    if not isinstance(p, DTensor):
-        return p.data, tuple(p.shape), (0,) * p.ndim
-    from shardlm._torch_compat import compute_local_shape_and_global_offset
-
-    local = p.to_local()
-    shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
-    if tuple(local.shape) != tuple(shape):
-        raise RuntimeError(f"local shard of shape {tuple(local.shape)} where the placements say {tuple(shape)}")
-    return local, tuple(shape), tuple(offset)
-
-
 def _check_config(model_cfg: ModelConfig, hf_dir: Path) -> None:
     """The model was built for this folder's config.json (max_seq_len aside): shapes alone would not catch
     a different RoPE base or scaling, norm epsilon or tying."""
@@ -163,7 +150,7 @@ def load_hf_weights(model: nn.Module, hf_dir: str | os.PathLike, *, check_config
     for path, keys in by_file.items():
         with safe_open(str(path), framework="pt") as f:
             for key in keys:
-                local, shape, offset = _local_region(params[key])
+                local, shape, offset = shard_region(params[key])
                 if local.numel() == 0:
                     continue  # more ranks than rows: this rank holds none of it
                 region = tuple(slice(o, o + n) for o, n in zip(offset, shape))
