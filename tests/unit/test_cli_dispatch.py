@@ -154,3 +154,20 @@ def test_presets_lists_every_preset(capsys):
 def test_convert_refuses_an_incomplete_checkpoint(capsys, tmp_path):
     assert main(["convert", "dcp-to-hf", str(tmp_path), str(tmp_path / "out")]) == 2
     assert f"{tmp_path} is not a complete shardlm checkpoint (no .metadata)" in _one_error_line(capsys)
+
+
+def test_help_lists_every_exit_code_and_the_readme_agrees(capsys):
+    import re
+    from pathlib import Path
+
+    from shardlm.cli import main
+    from shardlm.errors import EXIT_CODES, ConfigError, DataError, CheckpointError, PlanError, TrainingError
+
+    assert {e.exit_code for e in (ConfigError, DataError, CheckpointError, PlanError, TrainingError)} <= set(EXIT_CODES)
+    main(["--help"])
+    out = capsys.readouterr().out
+    for code, what in EXIT_CODES.items():
+        assert f"{code:>3}  {what}" in out
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    table = {int(m.group(1)) for m in re.finditer(r"^\| (\d+) \| ", readme, re.M)}
+    assert table == set(EXIT_CODES), (table, set(EXIT_CODES))

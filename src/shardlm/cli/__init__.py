@@ -17,7 +17,7 @@ import sys
 
 from shardlm import __version__
 from shardlm.cli import convert, debug_assets, plan, presets, train
-from shardlm.errors import ConfigError, ShardlmError
+from shardlm.errors import EXIT_CODES, ConfigError, ShardlmError
 
 # name -> (module, one-line help), in the order `shardlm --help` lists them
 COMMANDS = {
@@ -61,7 +61,8 @@ def _formatter(prog: str) -> argparse.HelpFormatter:
 def build_parser() -> tuple[Parser, dict[str, Parser]]:
     root = Parser(prog="shardlm", usage="shardlm <command> [options]", formatter_class=_formatter,
                   description="Train and fine-tune Llama-family LLMs with PyTorch FSDP2.",
-                  epilog="`shardlm <command> --help` shows a command's options.")
+                  epilog="`shardlm <command> --help` shows a command's options.\n\nexit codes:\n" + "\n".join(
+                      f"  {code:>3}  {what}" for code, what in EXIT_CODES.items()))
     root.add_argument("--version", action="version", version=f"shardlm {__version__}")
     sub = root.add_subparsers(dest="command", title="commands", metavar="<command>", required=True)
     parsers = {}

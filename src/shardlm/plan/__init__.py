@@ -64,6 +64,7 @@ byte to running every layer (tests/unit/test_plan.py; timings in benchmarks/resu
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import torch.distributed as dist
@@ -71,7 +72,7 @@ import torch.distributed as dist
 from shardlm.config import Config
 from shardlm.errors import ConfigError, PlanError
 from shardlm.plan.extrapolate import NotAffine, extrapolate_peak, lerp, period_of, reduced_layers
-from shardlm.plan.fake_step import StepMemory, fake_step, model_config, with_layers
+from shardlm.plan.fake_step import StepMemory, fake_step, model_config
 from shardlm.plan.report import DEFAULT_HEADROOM, GIB, Breakdown, PlanReport, Scenario
 from shardlm.plan.search import alternatives as search_alternatives
 from shardlm.plan.search import fitting_extras
@@ -85,7 +86,7 @@ def measure(cfg: Config, world_size: int, usable_bytes: int, name: str,
     reduced = None if exact else reduced_layers(mc.n_layers, period_of(cfg))
     note, step = "", None
     if reduced is not None:
-        a, b = (fake_step(cfg, world_size, with_layers(mc, n), phases=True) for n in reduced)
+        a, b = (fake_step(cfg, world_size, dataclasses.replace(mc, n_layers=n), phases=True) for n in reduced)
         try:
             peak, offload = extrapolate_peak(a, b, mc.n_layers, b.n_layers - a.n_layers)
         except NotAffine as e:

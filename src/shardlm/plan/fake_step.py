@@ -9,7 +9,6 @@ FSDPMemTracker.
 from __future__ import annotations
 
 import copy
-import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -193,6 +192,3 @@ def fake_step(cfg: Config, world_size: int, mc: ModelConfig | None = None, phase
         dist.destroy_process_group()
     return out
 
-
-def with_layers(mc: ModelConfig, n_layers: int) -> ModelConfig:
-    return dataclasses.replace(mc, n_layers=n_layers)

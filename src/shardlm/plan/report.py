@@ -26,7 +26,7 @@ def gib(b: float) -> float:
     return b / GIB
 
 
-def _size(b: float, signed: bool = False) -> str:
+def fmt_bytes(b: float, signed: bool = False) -> str:
     """Bytes for people: GiB, or MiB below 1 GiB."""
     v, unit = (b / GIB, "GiB") if abs(b) >= GIB else (b / 2**20, "MiB")
     return f"{v:+.2f} {unit}" if signed else f"{v:.2f} {unit}"
@@ -152,31 +152,31 @@ class PlanReport:
         lines = [
             f"shardlm plan: {self.model} ({_count(self.n_params)} params, {_count(self.trainable_params)} trainable) "
             f"on {self.world_size} ranks ({nodes:g} x {self.gpus_per_node} GPUs) of {self.gpu_mem_gib:g} GiB; "
-            f"usable {_size(b.usable_bytes)} ({self.headroom:.0%} headroom)",
+            f"usable {fmt_bytes(b.usable_bytes)} ({self.headroom:.0%} headroom)",
             f"  micro_batch_size={b.micro_batch_size} seq_len={b.seq_len} grad_accum={b.grad_accum} ac={b.ac} "
             f"lora.rank={b.lora_rank} cpu_offload={str(b.cpu_offload).lower()}",
             "",
             f"  {'per rank':<14} {'at peak':>12} {'model state':>12}",
         ]
         for g in ("params", "grads", "optimizer", "activations", "temporaries", "comm"):
-            lines.append(f"  {g:<14} {_size(getattr(b.peak, g)):>12} {_size(getattr(b.model_state, g)):>12}")
-        lines.append(f"  {'total':<14} {_size(b.peak.total):>12} {_size(b.model_state.total):>12}")
+            lines.append(f"  {g:<14} {fmt_bytes(getattr(b.peak, g)):>12} {fmt_bytes(getattr(b.model_state, g)):>12}")
+        lines.append(f"  {'total':<14} {fmt_bytes(b.peak.total):>12} {fmt_bytes(b.model_state.total):>12}")
         if b.cpu_offload:
-            lines.append(f"  on the GPU with cpu_offload (estimate): {_size(b.offload_peak_bytes)}")
+            lines.append(f"  on the GPU with cpu_offload (estimate): {fmt_bytes(b.offload_peak_bytes)}")
         verdict = "FITS" if b.fits else "DOES NOT FIT"
-        lines += ["", f"  peak {_size(b.peak_bytes)} of {_size(b.usable_bytes)} usable: {verdict} "
-                      f"({_size(abs(b.margin_bytes))} {'to spare' if b.fits else 'over'})"]
+        lines += ["", f"  peak {fmt_bytes(b.peak_bytes)} of {fmt_bytes(b.usable_bytes)} usable: {verdict} "
+                      f"({fmt_bytes(abs(b.margin_bytes))} {'to spare' if b.fits else 'over'})"]
         if self.alternatives:
             head = "also fits" if self.fits else "alternative"
             lines += ["", f"  {head:<46} {'peak':>12} {'margin':>12}  fits"]
             for s in self.alternatives:
-                peak = ("> " if not s.measured else "") + _size(s.peak_bytes)
-                lines.append(f"  {s.name:<46} {peak:>12} {_size(s.margin_bytes, signed=True):>12}  "
+                peak = ("> " if not s.measured else "") + fmt_bytes(s.peak_bytes)
+                lines.append(f"  {s.name:<46} {peak:>12} {fmt_bytes(s.margin_bytes, signed=True):>12}  "
                              f"{'yes' if s.fits else 'no '}" + (f"  ({s.note})" if s.note else ""))
             best = self.best_alternative()
             if not self.fits:
                 lines.append("")
-                lines.append(f"  most room: {best.name} ({_size(best.margin_bytes)} to spare)" if best
+                lines.append(f"  most room: {best.name} ({fmt_bytes(best.margin_bytes)} to spare)" if best
                              else "  none of the alternatives tried fits")
         for n in self.notes:
             lines.append(f"  note: {n}")

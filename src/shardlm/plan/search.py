@@ -16,8 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from shardlm.config import Config, set_value
-from shardlm.plan.report import Scenario, gib
-from shardlm.plan.report import _size as size
+from shardlm.plan.report import Scenario, fmt_bytes, gib
 
 Measure = Callable[[Config, int, str, dict], Scenario]  # (variant, world size, name, overrides) -> scenario
 
@@ -148,5 +147,5 @@ def fitting_extras(cfg: Config, base: Scenario, usable: int, gpus_per_node: int,
         return []
     n = cfg.train.grad_accum
     return [dataclasses.replace(step, note=f"{n - 1} of {n} gradient reduce-scatters saved, for "
-                                           f"{size(step.peak_bytes - base.peak_bytes)} more (unsharded "
+                                           f"{fmt_bytes(step.peak_bytes - base.peak_bytes)} more (unsharded "
                                            "gradients during accumulation)")]

@@ -15,7 +15,6 @@ from torch import nn
 from shardlm.data.loader import IGNORE_INDEX
 
 Batch = tuple[torch.Tensor, torch.Tensor]
-GRAD_SYNC = ("micro_batch", "step")
 
 
 def set_grad_sync(model: nn.Module, k: int, n_micro: int, mode: str, hsdp: bool) -> None:
