@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import time
 from pathlib import Path
@@ -61,6 +62,7 @@ def train_then(runs: list[tuple[list[str], int | None]]) -> list[dict]:
                     "optim": _optim_checksum(t), "start": recs[0]["step"] if recs else None, "files": files,
                     "numel": sum(p.numel() for p in t.model.parameters())})
         t.checkpointer.close()
+        t.release_locks()  # the next Trainer in this process takes the same folder
     return out
 
 
@@ -125,65 +127,142 @@ def test_keep_last_prunes_but_never_the_newest(runs):
 
 
 def checkpoint_safety(tmp: str, corpus: str) -> dict:
-    """One rank: partial saves are ignored and removed, pruning, bad resume paths, auto fallback."""
+    """One rank, one process: partial saves, pruning, bad resume paths, the resume check, the folder
+    lock, auto's fallback for each kind of damage, branches, metrics and config files, LR extension."""
+    import contextlib
+    import io
+
     from shardlm.config import load_config
-    from shardlm.errors import CheckpointError
+    from shardlm.errors import CheckpointError, ConfigError
+    from shardlm.train.optim import lr_factor
     from shardlm.train.trainer import Trainer
 
     tmp = Path(tmp)
-    out = {}
-    base = lambda **kw: load_config(None, _overrides(tmp / "run", corpus, tmp / "cache", mbs=2, **kw))  # noqa: E731
-    t = Trainer(base(steps=6, **{"checkpoint.interval": 2, "checkpoint.keep_last": 2}))
-    t.train()
-    t.checkpointer.close()
-    ckdir = tmp / "run" / "checkpoints"
-    out["after_prune"] = sorted(p.name for p in ckdir.iterdir())
-    # A save that died half way: a .partial directory without metadata.
-    (ckdir / ".step-8.partial").mkdir()
-    (ckdir / ".step-8.partial" / "__0_0.distcp").write_bytes(b"junk")
-    t = Trainer(base(steps=6))
-    out["resumed_from"] = t.resumed_from.name
-    out["partial_removed"] = not (ckdir / ".step-8.partial").exists()
-    t.checkpointer.close()
-    # The newest complete one is corrupt (a shard file lost): auto falls back to the previous one.
-    shutil.copytree(ckdir / "step-6", ckdir / "step-7")
-    for f in (ckdir / "step-7").glob("*.distcp"):
-        f.unlink()
-    t = Trainer(base(steps=8))
-    out["fallback_from"] = t.resumed_from.name
-    t.checkpointer.close()
-    errors = {}
-    for name, resume in (("missing", str(tmp / "nope")), ("not_a_checkpoint", str(tmp / "cache")),
-                         ("corrupt", str(ckdir / "step-7"))):
+    out, log = {}, io.StringIO()
+
+    def base(run="run", **kw):
+        return load_config(None, _overrides(tmp / run, corpus, tmp / "cache", mbs=2, **kw))
+
+    def start(cfg, train=False):
+        t = Trainer(cfg)
+        if train:
+            t.train()
+        t.checkpointer.close()
+        t.release_locks()  # the next Trainer in this process takes the same folder
+        return t
+
+    def fails(cfg) -> str | None:
         try:
-            Trainer(base(**{"checkpoint.resume": resume, "train.output_dir": str(tmp / f"err-{name}")}))
-            errors[name] = None
-        except CheckpointError as e:
-            errors[name] = str(e)
-    # A model-only final checkpoint can't be resumed from.
-    t = Trainer(base(steps=2, **{"checkpoint.model_only": True, "train.output_dir": str(tmp / "mo")}))
-    t.train()
-    t.checkpointer.close()
-    try:
-        Trainer(base(steps=4, **{"train.output_dir": str(tmp / "mo")}))
-        errors["model_only"] = None
-    except CheckpointError as e:
-        errors["model_only"] = str(e)
-    out["errors"] = errors
+            start(cfg)
+        except (CheckpointError, ConfigError) as e:
+            return f"{type(e).__name__}: {e}"
+        return None
+
+    with contextlib.redirect_stdout(log):
+        start(base(steps=6, **{"checkpoint.interval": 2, "checkpoint.keep_last": 2}), train=True)
+        ckdir = tmp / "run" / "checkpoints"
+        names = lambda d=ckdir: sorted(p.name for p in d.iterdir() if p.name != "branches")  # noqa: E731
+        out["after_prune"] = names()
+        # A save that died half way: a .partial directory without metadata.
+        (ckdir / ".step-8.partial").mkdir()
+        (ckdir / ".step-8.partial" / "__0_0.distcp").write_bytes(b"junk")
+        out["resumed_from"] = start(base(steps=6)).resumed_from.name
+        out["partial_removed"] = not (ckdir / ".step-8.partial").exists()
+        errors = {}
+        # Another model shape: a ConfigError before loading, no fallback, nothing moved, config.toml kept.
+        config_before = (tmp / "run" / "config.toml").read_text()
+        errors["shape"] = fails(base(steps=6, **{"model.n_layers": 2}))
+        out["after_mismatch"] = sorted(p.name for p in ckdir.iterdir())
+        out["config_kept"] = (tmp / "run" / "config.toml").read_text() == config_before
+        # The change allowed on purpose loads (DCP reads the keys the smaller model asks for).
+        out["allowed"] = start(base(steps=6, **{"model.n_layers": 2, "checkpoint.allow_changed": "model.n_layers",
+                                                "train.output_dir": str(tmp / "allowed"),
+                                                "checkpoint.resume": str(ckdir / "step-6")})).resumed_from.name
+        # One run per folder: a second Trainer while the first holds the folder stops at once.
+        live = Trainer(base(steps=6))
+        errors["locked"] = fails(base(steps=6))
+        live.checkpointer.close()
+        live.release_locks()
+        out["lock_released"] = not (tmp / "run" / ".shardlm.lock").exists()
+        # auto falls back past a newest checkpoint damaged in each way; each one is set aside, not deleted.
+        good = ckdir / "step-6"
+        damage = {
+            "missing_shard": lambda d: [f.unlink() for f in d.glob("*.distcp")],
+            "truncated_shard": lambda d: [f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+                                          for f in d.glob("*.distcp")],
+            "truncated_metadata": lambda d: (d / ".metadata").write_bytes((d / ".metadata").read_bytes()[:40]),
+            "garbage_metadata": lambda d: (d / ".metadata").write_bytes(b"not a checkpoint"),
+        }
+        out["fallback"], corrupt = {}, None
+        for kind, hurt in damage.items():
+            shutil.copytree(good, ckdir / "step-7")
+            hurt(ckdir / "step-7")
+            out["fallback"][kind] = start(base(steps=8)).resumed_from.name
+            corrupt = corrupt or next(ckdir.glob("branches/*/step-7"))
+        # A half-written last line in metrics.jsonl (a kill) is dropped with a note on resume.
+        with open(tmp / "run" / "metrics.jsonl", "a") as f:
+            f.write('{"step": 7, "loss": 1.')
+        # A model-only final checkpoint on top: training falls back past it (it needs optimizer state).
+        start(base(steps=7, **{"checkpoint.model_only": True}), train=True)
+        out["metrics_whole"] = all(line.endswith("}") for line in
+                                   (tmp / "run" / "metrics.jsonl").read_text().splitlines())
+        # ... and a resume that extends train.steps (and halves the global batch) keeps the LR going on.
+        t = start(base(steps=8, **{"train.micro_batch_size": 1}))
+        out["fallback"]["model_only"] = t.resumed_from.name
+        c6 = base(steps=6).train
+        out["lr"] = (t.scheduler.get_last_lr()[0], c6.lr * lr_factor(6, c6))
+        for name, resume in (("missing", str(tmp / "nope")), ("not_a_checkpoint", str(tmp / "cache")),
+                             ("corrupt", str(corrupt))):
+            errors[name] = fails(base(**{"checkpoint.resume": resume, "train.output_dir": str(tmp / f"err-{name}")}))
+        # Folders that can't be written fail before step 1.
+        errors["unwritable"] = fails(base("uw", **{"checkpoint.dir": "/proc/shardlm-ck"}))
+        # A model-only final checkpoint with nothing older can't be resumed from.
+        start(base(steps=2, **{"checkpoint.model_only": True, "train.output_dir": str(tmp / "mo")}), train=True)
+        errors["model_only"] = fails(base(steps=4, **{"train.output_dir": str(tmp / "mo")}))
+        out["errors"] = errors
+        # Branching: resume step-4 of a 6-step run and save step-5; step-6 is set aside (not deleted),
+        # keep_last=1 never deletes the branch point step-4, and auto then picks step-5, not step-6.
+        start(base("br", steps=6, **{"checkpoint.interval": 2, "checkpoint.keep_last": 2}), train=True)
+        brck = tmp / "br" / "checkpoints"
+        start(base("br", steps=5, **{"checkpoint.resume": str(brck / "step-4"), "checkpoint.keep_last": 1}),
+              train=True)
+        out["branch"] = {"folder": names(brck), "aside": sorted(p.name for p in brck.glob("branches/*/*")),
+                         "auto": start(base("br", steps=5)).resumed_from.name}
+    out["log"] = log.getvalue()
     return out
 
 
 def test_checkpoint_safety(tmp_path, corpus):
     out = run_ranks(1, checkpoint_safety, str(tmp_path), str(corpus))
+    log = out["log"]
     assert out["after_prune"] == ["step-4", "step-6"]
     assert out["resumed_from"] == "step-6" and out["partial_removed"]
-    assert out["fallback_from"] == "step-6"
     e = out["errors"]
+    # The resume check: one line naming the field and the fixes, nothing moved, the last config.toml kept.
+    assert e["shape"].startswith("ConfigError: ") and "model.n_layers: checkpoint 4, this run 2" in e["shape"]
+    assert "checkpoint.resume=none" in e["shape"] and "--checkpoint.allow_changed=model.n_layers" in e["shape"]
+    assert out["after_mismatch"] == ["step-4", "step-6"] and out["config_kept"]
+    assert out["allowed"] == "step-6" and "model.n_layers changed from 4 to 2 (checkpoint.allow_changed)" in log
+    # The lock names its holder; released at the end.
+    assert "is in use by another run (host " in e["locked"] and f"pid {os.getpid()}" not in e["locked"]
+    assert out["lock_released"]
+    assert out["fallback"] == dict.fromkeys(("missing_shard", "truncated_shard", "truncated_metadata",
+                                             "garbage_metadata", "model_only"), "step-6")
+    assert log.count("falling back to step-6") == 5 and "holds the model only" in log
+    assert log.count("step-7 (could not be loaded) (not its ancestors) moved to") == 5
+    assert "metrics: dropping line" in log and out["metrics_whole"]
+    assert "done: ran 1 step (step 7; 7 of train.steps=7)" in log
+    assert "the global batch changes from 2 to 1 sequences" in log
+    lr, expected = out["lr"]
+    assert lr == pytest.approx(expected, rel=1e-9) and "resume: train.steps 7 -> 8" not in log
     assert "does not exist" in e["missing"]
     assert "not a complete checkpoint" in e["not_a_checkpoint"]
     assert "step-7: cannot load (FileNotFoundError" in e["corrupt"]
+    assert "checkpoint.dir '/proc/shardlm-ck' cannot be created" in e["unwritable"]
     assert "holds the model only" in e["model_only"]
-    assert all("\n" not in v for v in e.values())
+    assert all(v is not None and "\n" not in v for v in e.values()), e
+    assert out["branch"] == {"folder": ["step-4", "step-5"], "aside": ["step-6"], "auto": "step-5"}
+    assert "resuming step-4 starts a branch; step-6 (not its ancestors) moved to" in log
 
 
 def async_save_snapshots(tmp: str, corpus: str) -> dict:
@@ -219,6 +298,7 @@ def async_save_snapshots(tmp: str, corpus: str) -> dict:
                                               "checkpoint.keep_last": 0})))
     t.train()
     t.checkpointer.close()
+    t.release_locks()  # the next Trainer in this process takes the same folder
     fs._FileSystemWriter.write_data = real_write
     loaded = {}
     for step in (3, 6):
@@ -226,6 +306,7 @@ def async_save_snapshots(tmp: str, corpus: str) -> dict:
             "checkpoint.resume": str(tmp / "run" / "checkpoints" / f"step-{step}")})))
         loaded[step] = _checksums(r.model)
         r.checkpointer.close()
+        r.release_locks()  # the next Trainer in this process takes the same folder
     return {"snapshots": snapshots, "loaded": loaded, "overlapped": sum(overlapped)}
 
 

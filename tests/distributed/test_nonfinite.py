@@ -91,6 +91,7 @@ def _worker(tmp, corpus) -> dict:
         out[f"skip_{where}"] = {"flags": flags, "unchanged": same, "next_ok": nxt.nonfinite is None,
                                 "n_keys": len(before)}
         t.checkpointer.close()
+        t.release_locks()  # the next Trainer in this process takes the same folder
         del t
     # 2. skip stops after max_skipped_steps in a row
     t = T.Trainer(load_config(None, _overrides(tmp, corpus, "skip_many", **{"train.nonfinite": "skip",
@@ -103,11 +104,13 @@ def _worker(tmp, corpus) -> dict:
         out["too_many"] = (str(e), t.step, t.skipped_total)
     undo()
     t.checkpointer.close()
+    t.release_locks()  # the next Trainer in this process takes the same folder
     del t
     # 3. stop: one line, the last checkpoint stands, resume == a run that never saw the NaN
     ref = T.Trainer(load_config(None, _overrides(tmp, corpus, "ref")))
     ref_losses = [r["loss"] for r in ref.train()]
     ref.checkpointer.close()
+    ref.release_locks()  # the next Trainer in this process takes the same folder
     del ref
     cfg = _overrides(tmp, corpus, "stop", **{"checkpoint.interval": 2})
     t = T.Trainer(load_config(None, cfg))
@@ -119,6 +122,7 @@ def _worker(tmp, corpus) -> dict:
         out["stop"] = str(e)
     undo()
     t.checkpointer.close()
+    t.release_locks()  # the next Trainer in this process takes the same folder
     del t
     from shardlm.checkpoint import complete_checkpoints
     from pathlib import Path
@@ -128,6 +132,7 @@ def _worker(tmp, corpus) -> dict:
     resumed_at = t.step
     out["resume"] = (resumed_at, [r["loss"] for r in t.train()], ref_losses)
     t.checkpointer.close()
+    t.release_locks()  # the next Trainer in this process takes the same folder
     return out
 
 

@@ -36,7 +36,7 @@ def test_round_trip_with_lora_and_hf_source(tmp_path):
     assert json.loads((tmp_path / MODEL_CONFIG_FILE).read_text()) == json.loads(json.dumps(dataclasses.asdict(mc)))
     assert json.loads((tmp_path / LORA_CONFIG_FILE).read_text()) == {
         "rank": 4, "alpha": 8.0, "dropout": 0.1, "targets": ["q_proj", "v_proj"], "adapters_only": False,
-        "base": f"hf:{hf}"}
+        "train_embeddings": False, "train_norms": False, "base": f"hf:{hf}"}
     assert json.loads((tmp_path / HF_SOURCE_FILE).read_text()) == {"init_from": f"hf:{hf}", "tokenizer": str(hf)}
 
 
@@ -81,3 +81,52 @@ def test_lora_base_is_the_source_when_hf_source_is_absent(tmp_path):
     (tmp_path / LORA_CONFIG_FILE).write_text(json.dumps({"rank": 2, "alpha": 4, "base": "hf:/models/x"}))
     meta = CheckpointMeta.load(tmp_path)
     assert str(meta.hf_dir) == "/models/x" and meta.lora.dropout == 0.0 and meta.lora.targets == []
+
+
+def _saved(tmp_path, cfg, tokenizer=None):
+    """A checkpoint folder holding `cfg`'s sidecars and a checkpoint.json with `tokenizer`'s fingerprint."""
+    from shardlm.checkpoint.lineage import RECORD_FILE, Record
+
+    ck = tmp_path / "ck" / "step-3"
+    ck.mkdir(parents=True)
+    CheckpointMeta.from_config(cfg, get_preset("debug")).save(ck)
+    (ck / RECORD_FILE).write_text(Record("a", 3, 1, info={"tokenizer": tokenizer} if tokenizer else {}).to_json())
+    return ck
+
+
+def _checker(cfg, tokenizer=None):
+    from shardlm.checkpoint import Checkpointer
+
+    return Checkpointer(cfg.checkpoint, cfg.checkpoint.dir, 1, None, None, {}, log=lambda line: None,
+                        meta=CheckpointMeta.from_config(cfg, get_preset("debug")),
+                        info={"tokenizer": tokenizer} if tokenizer else {})
+
+
+@pytest.mark.parametrize("change, field", [({"lora.alpha": 16.0}, "lora.alpha"),
+                                           ({"lora.targets": "q_proj,k_proj"}, "lora.targets"),
+                                           ({"lora.rank": 8}, "lora.rank"), ({"lora.dropout": 0.0}, "lora.dropout")])
+def test_resume_check_names_each_changed_lora_field(tmp_path, change, field):
+    from shardlm.errors import ConfigError
+
+    cfg, _ = _lora_cfg(tmp_path)
+    ck = _saved(tmp_path, cfg)
+    new, _ = _lora_cfg(tmp_path, **change)
+    with pytest.raises(ConfigError, match=rf"{field}: checkpoint .*--checkpoint.allow_changed={field}$"):
+        _checker(new).check(ck)
+    _checker(new).check(_saved(tmp_path / "same", new))  # the same setup passes
+    allowed, _ = _lora_cfg(tmp_path, **change, **{"checkpoint.allow_changed": field})
+    _checker(allowed).check(ck)  # allowed on purpose: passes (and is logged)
+
+
+def test_resume_check_sees_a_changed_tokenizer_and_targets_order_is_not_a_change(tmp_path):
+    from shardlm.errors import ConfigError
+
+    cfg, _ = _lora_cfg(tmp_path)
+    ck = _saved(tmp_path, cfg, tokenizer={"spec": "old.json", "sha256": "aa"})
+    with pytest.raises(ConfigError, match=r"tokenizer: checkpoint 'old.json', this run 'new.json'"):
+        _checker(cfg, tokenizer={"spec": "new.json", "sha256": "bb"}).check(ck)
+    _checker(cfg, tokenizer={"spec": "moved.json", "sha256": "aa"}).check(ck)  # same bytes, other path: fine
+    swapped, _ = _lora_cfg(tmp_path, **{"lora.targets": "v_proj,q_proj"})
+    _checker(swapped).check(ck)
+    with pytest.raises(ConfigError, match=r"checkpoint.allow_changed: unknown field\(s\) lora.colour; valid: "):
+        _checker(load_config(None, ["--checkpoint.allow_changed=lora.colour"]))

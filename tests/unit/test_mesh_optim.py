@@ -47,3 +47,22 @@ def test_scheduler_drives_optimizer_lr():
         opt.step()
         sched.step()
     assert seen == pytest.approx([lr_factor(s, t) for s in range(4)])
+
+
+def test_extending_train_steps_goes_on_from_the_current_lr():
+    from shardlm.train.optim import extended_anchor
+
+    t100 = load_config(None, ["--train.steps=100", "--train.warmup_steps=10"]).train
+    t200 = load_config(None, ["--train.steps=200", "--train.warmup_steps=10"]).train
+    anchor = extended_anchor(60, t200, saved_steps=100, saved=None)
+    at60 = lr_factor(60, t100)
+    assert lr_factor(60, t200) > at60 + 0.2  # without the anchor: a jump back up
+    f = [lr_factor(s, t200, anchor) for s in range(60, 201)]
+    assert f[0] == pytest.approx(at60) and f[-1] == pytest.approx(0.1)
+    assert all(a >= b for a, b in zip(f, f[1:]))  # continuous and decaying, no jump
+    # Extended twice: the second anchor starts where the first schedule had got to.
+    t300 = load_config(None, ["--train.steps=300", "--train.warmup_steps=10"]).train
+    again = extended_anchor(150, t300, saved_steps=200, saved=anchor)
+    assert lr_factor(150, t300, again) == pytest.approx(lr_factor(150, t200, anchor))
+    assert extended_anchor(60, t100, saved_steps=100, saved=anchor) == anchor  # same steps: as saved
+    assert extended_anchor(5, t200, saved_steps=100, saved=None) is None  # in warmup: nothing to anchor

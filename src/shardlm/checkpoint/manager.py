@@ -5,9 +5,16 @@ A checkpoint is `<dir>/step-N/`, a DCP directory holding
   optim.*    the optimizer's (AdamW moments and step, keyed by parameter name: reshardable)
   trainer.*  step, samples consumed by the data loader, RNG state
   model_config.json  the model's shape (ModelConfig), so the checkpoint can be exported alone
+  checkpoint.json    its lineage (parent, ancestors) and run facts (checkpoint/lineage.py)
 It is written as `<dir>/.step-N.partial/` and renamed to `step-N` by rank 0 only once DCP has
 written the metadata, i.e. after every rank's shards are on disk. Anything named `.step-*` is
 therefore incomplete: `resume=auto` ignores it and rank 0 deletes it.
+
+Before loading, the checkpoint's recorded model shape, LoRA setup and tokenizer are compared with
+the run's: a difference is a ConfigError naming each field (never a fallback, never corruption).
+`resume=auto` loads the newest checkpoint of the folder's current lineage and falls back along it
+past any that cannot be loaded for reasons of its own (missing or truncated shard, unreadable
+metadata, model-only when the run needs optimizer state).
 """
 
 from __future__ import annotations
@@ -35,7 +42,9 @@ from torch.distributed.checkpoint.state_dict import (
 
 from shardlm.config import CheckpointSection
 from shardlm._torch_compat import set_element
-from shardlm.errors import CheckpointError
+from shardlm.checkpoint import lineage
+from shardlm.checkpoint.lineage import Record
+from shardlm.errors import CheckpointError, ConfigError
 
 if TYPE_CHECKING:
     from shardlm.checkpoint.meta import CheckpointMeta
@@ -105,8 +114,19 @@ class Checkpointer:
 
     def __init__(self, cfg: CheckpointSection, folder: Path, rank: int, model: nn.Module,
                  optimizer: torch.optim.Optimizer, states: dict[str, Any], log=print, trainable_only: bool = False,
-                 meta: CheckpointMeta | None = None):
+                 meta: CheckpointMeta | None = None, info: dict[str, Any] | None = None):
+        from shardlm.checkpoint.meta import CHANGEABLE
+
+        unknown = [f for f in cfg.allow_changed if f not in CHANGEABLE]
+        if unknown:
+            raise ConfigError(f"checkpoint.allow_changed: unknown field(s) {', '.join(unknown)}; valid: "
+                              f"{', '.join(CHANGEABLE)}")
         self.cfg, self.folder, self.rank, self.log = cfg, folder, rank, log
+        # Run facts written into every checkpoint.json (world size, global batch, schedule, tokenizer);
+        # the trainer may update it before the first save.
+        self.info: dict[str, Any] = dict(info or {})
+        self.parent: Record | None = None  # the record the next save descends from
+        self.resumed_record: Record | None = None
         self.model, self.optimizer, self.states = model, optimizer, states
         # trainable_only (LoRA adapters_only): the frozen base is not saved; it is re-read from its source.
         self.options = StateDictOptions(ignore_frozen_params=trainable_only, strict=not trainable_only)
@@ -133,7 +153,7 @@ class Checkpointer:
         if r == "none":
             return []
         if r == "auto":
-            return complete_checkpoints(self.folder)[::-1]
+            return lineage.current_lineage(self.folder)
         p = Path(r)
         if not p.exists():
             raise CheckpointError(f"checkpoint.resume={r!r} does not exist; pass a step-N directory, auto or none")
@@ -144,31 +164,67 @@ class Checkpointer:
     def load(self) -> Path | None:
         """Load the first loadable candidate into the model, optimizer and states (in place); None if none.
 
-        With `auto`, a checkpoint that fails to load is reported and the next older one is tried.
+        With `auto`, a checkpoint that fails to load for reasons of its own is reported and the next
+        older one of the lineage is tried; a config mismatch stops at once (ConfigError). Then rank 0
+        sets aside the folder's checkpoints that are not of the resumed lineage (lineage.set_aside).
         """
         candidates = self.resume_candidates()
+        loaded, failed = None, []
         for i, path in enumerate(candidates):
+            self.check(path)
             try:
                 self._load(path)
-                return path
-            except CheckpointError:
-                raise
+                loaded = path
+                break
             except (Exception, CheckpointException) as e:  # DCP's is a BaseException
-                msg = f"{path}: cannot load ({_first_failure(e)})"
+                if isinstance(e, ConfigError):
+                    raise
+                msg = str(e) if isinstance(e, CheckpointError) else f"{path}: cannot load ({_first_failure(e)})"
                 if self.cfg.resume != "auto":
                     raise CheckpointError(msg + "; pass another checkpoint or checkpoint.resume=none") from None
+                failed.append(path)
                 if i + 1 < len(candidates):
                     self.log(f"checkpoint: {msg}; falling back to {candidates[i + 1].name}")
                 else:
-                    raise CheckpointError(msg + "; no older complete checkpoint to fall back to "
-                                          "(checkpoint.resume=none starts fresh)") from None
-        return None
+                    raise CheckpointError(msg + "; no older complete checkpoint of this lineage to fall back to "
+                                          "(checkpoint.resume=none starts fresh, keeping these aside)") from None
+        if loaded is not None:
+            self.parent = self.resumed_record = Record.read(loaded)
+        if self.rank == 0:
+            lineage.set_aside(self.folder, loaded, self.log, failed=tuple(failed))
+        return loaded
+
+    def check(self, path: Path) -> None:
+        """ConfigError when `path` was saved by a different model, LoRA setup or tokenizer than this run's."""
+        if self.meta is None:
+            return
+        from shardlm.checkpoint.meta import CheckpointMeta, resume_changes
+
+        try:
+            saved = CheckpointMeta.load(path)
+        except CheckpointError:
+            return  # a malformed sidecar: the load decides (and auto falls back)
+        changes = resume_changes(saved, self.meta)
+        rec, tok = Record.read(path), self.info.get("tokenizer")
+        old_tok = rec.info.get("tokenizer") if rec is not None else None
+        if isinstance(old_tok, dict) and tok and old_tok.get("sha256") != tok.get("sha256"):
+            changes["tokenizer"] = (old_tok.get("spec"), tok.get("spec"))
+        allowed = set(self.cfg.allow_changed)
+        bad = {k: v for k, v in changes.items() if k not in allowed}
+        if bad:
+            fields = "; ".join(f"{k}: checkpoint {a!r}, this run {b!r}" for k, (a, b) in bad.items())
+            raise ConfigError(f"{path} was saved with a different setup ({fields}); resume with the same "
+                              "settings, or start fresh with checkpoint.resume=none (the old checkpoints are kept "
+                              "aside) or a new train.output_dir, or allow a deliberate change with "
+                              f"--checkpoint.allow_changed={','.join(bad)}")
+        for k, (a, b) in changes.items():
+            self.log(f"checkpoint: resuming with {k} changed from {a!r} to {b!r} (checkpoint.allow_changed)")
 
     def _load(self, path: Path) -> None:
         keys = read_keys(path)
         if not all(any(k.startswith(f"{name}.") for k in keys) for name in ("optim", *self.states)):
             raise CheckpointError(f"{path} holds the model only (checkpoint.model_only); training cannot resume "
-                                  "from it: pass a full checkpoint or checkpoint.resume=none")
+                                  "from it")
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=self.options)
         dcp.load({"model": model_sd, "optim": optim_sd, **self.states}, checkpoint_id=str(path),
                  planner=SafeLoadPlanner())
@@ -229,6 +285,9 @@ class Checkpointer:
             return
         if self.meta is not None:
             self.meta.save(tmp)
+        step = int(final.name.split("-", 1)[1])
+        record = lineage.new_record(self.folder, step, self.parent, self.info)
+        (tmp / lineage.RECORD_FILE).write_text(record.to_json())
         if final.exists():  # re-saving a step (resumed from an older checkpoint): swap, don't merge
             old = final.with_name(f".{final.name}.replaced")
             final.rename(old)
@@ -236,15 +295,19 @@ class Checkpointer:
             shutil.rmtree(old, ignore_errors=True)
         else:
             tmp.rename(final)
+        self.parent = record
         how = f"waited {seconds:.2f}s for the async write" if waited else f"{seconds:.2f}s"
         self.log(f"checkpoint: saved {final} ({how})")
         self.prune()
 
     def prune(self) -> None:
+        """Delete all but the newest checkpoint.keep_last of the current lineage; never a branch point."""
         if self.cfg.keep_last <= 0:
             return
-        for p in complete_checkpoints(self.folder)[: -self.cfg.keep_last]:
-            shutil.rmtree(p, ignore_errors=True)
+        keep = lineage.protected(self.folder)
+        for p in lineage.current_lineage(self.folder)[self.cfg.keep_last:]:
+            if p not in keep:
+                shutil.rmtree(p, ignore_errors=True)
 
     def close(self) -> None:
         """Finish the in-flight save and let go of the model (its FSDP state holds the process groups)."""

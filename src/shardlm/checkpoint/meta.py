@@ -3,9 +3,14 @@
 One owner for the sidecar schema. `CheckpointMeta.save(dir)` writes, `CheckpointMeta.load(dir)` reads:
 
   model_config.json  `dataclasses.asdict(ModelConfig)` (always written)
-  lora_config.json   {"rank", "alpha", "dropout", "targets", "adapters_only", "base"} when LoRA is on
-                     ("base" is model.init_from again; the reader takes it only when hf_source.json is absent)
+  lora_config.json   {"rank", "alpha", "dropout", "targets", "adapters_only", "train_embeddings", "train_norms",
+                     "base"} when LoRA is on ("base" is model.init_from again; the reader takes it only when
+                     hf_source.json is absent)
   hf_source.json     {"init_from": "hf:/path", "tokenizer": spec} when the model came from an HF folder
+  checkpoint.json    lineage and run facts (checkpoint/lineage.py owns it)
+
+Paths are recorded absolute (from this version on), so a checkpoint reads the same from any working
+directory.
 
 A file that is absent reads as "not recorded" (None); a file that is present but malformed is a
 CheckpointError naming the file.
@@ -64,7 +69,9 @@ def _lora_from_dict(d: Mapping[str, Any]) -> LoraSection:
     if not isinstance(targets, list) or not all(isinstance(t, str) for t in targets):
         raise ValueError(f"'targets' must be a list of module names, got {targets!r}")
     return LoraSection(rank=rank, alpha=float(alpha), dropout=float(dropout), targets=list(targets),
-                       adapters_only=bool(d.get("adapters_only", False)))
+                       adapters_only=bool(d.get("adapters_only", False)),
+                       train_embeddings=bool(d.get("train_embeddings", False)),
+                       train_norms=bool(d.get("train_norms", False)))
 
 
 def tokenizer_dir_of(spec: str | None) -> Path | None:
@@ -91,12 +98,17 @@ class CheckpointMeta:
     lora: LoraSection | None = None
     init_from: str = ""  # model.init_from: "hf:/path" or "" (random init)
     tokenizer: str | None = None  # the resolved tokenizer spec ("bytes", a tokenizer.json or its folder)
+    # The lora_config.json keys the file had (older files lack train_embeddings/train_norms): the resume
+    # check compares only what was recorded.
+    lora_recorded: frozenset[str] = dataclasses.field(default=frozenset(), compare=False)
 
     @classmethod
     def from_config(cls, cfg: Config, model_cfg: ModelConfig) -> CheckpointMeta:
-        hf = cfg.model.hf_dir is not None
+        hf = cfg.model.hf_dir
+        spec = cfg.tokenizer_spec()
         return cls(model=model_cfg, lora=dataclasses.replace(cfg.lora) if cfg.lora.rank > 0 else None,
-                   init_from=cfg.model.init_from, tokenizer=cfg.tokenizer_spec() if hf else None)
+                   init_from=f"{HF_PREFIX}{hf.resolve()}" if hf is not None else "",
+                   tokenizer=(spec if spec == "bytes" else str(Path(spec).resolve())) if hf is not None else None)
 
     # -- derived -----------------------------------------------------------------------------------
     @property
@@ -124,7 +136,8 @@ class CheckpointMeta:
         if lo is not None:
             out[LORA_CONFIG_FILE] = json.dumps({"rank": lo.rank, "alpha": lo.alpha, "dropout": lo.dropout,
                                                 "targets": lo.targets, "adapters_only": lo.adapters_only,
-                                                "base": self.init_from}, indent=1)
+                                                "train_embeddings": lo.train_embeddings,
+                                                "train_norms": lo.train_norms, "base": self.init_from}, indent=1)
         if self.hf_dir is not None:
             out[HF_SOURCE_FILE] = json.dumps({"init_from": self.init_from, "tokenizer": self.tokenizer}, indent=1)
         return out
@@ -139,7 +152,7 @@ class CheckpointMeta:
         """The sidecar files of a checkpoint folder; absent ones read as not recorded."""
         d = Path(directory)
         model = lora = None
-        init_from, tokenizer, source = "", None, d
+        init_from, tokenizer, source, recorded = "", None, d, frozenset()
         path = d / MODEL_CONFIG_FILE
         if path.is_file():
             try:
@@ -153,7 +166,7 @@ class CheckpointMeta:
                 lora = _lora_from_dict(raw)
             except ValueError as e:
                 raise CheckpointError(f"{path}: {e}") from None
-            init_from, source = raw.get("base") or "", path
+            init_from, source, recorded = raw.get("base") or "", path, frozenset(raw)
         path = d / HF_SOURCE_FILE
         if path.is_file():
             raw = _read_json(path)
@@ -164,7 +177,7 @@ class CheckpointMeta:
             init_from, tokenizer, source = raw.get("init_from", ""), raw.get("tokenizer"), path
         if not isinstance(init_from, str) or (init_from and not init_from.startswith(HF_PREFIX)):
             raise CheckpointError(f"{source}: init_from {init_from!r} is not an hf:/path")
-        return cls(model=model, lora=lora, init_from=init_from, tokenizer=tokenizer)
+        return cls(model=model, lora=lora, init_from=init_from, tokenizer=tokenizer, lora_recorded=recorded)
 
     def require_model(self, where: str | Path) -> ModelConfig:
         """`model`, or a CheckpointError saying the checkpoint does not record it."""
@@ -179,3 +192,40 @@ class CheckpointMeta:
             raise CheckpointError(f"{where} holds LoRA adapters but no {LORA_CONFIG_FILE}; pass the LoRA rank "
                                   "and alpha")
         return self.lora
+
+
+# -- the resume check ------------------------------------------------------------------------------
+_LORA_FIELDS = ("rank", "alpha", "dropout", "targets", "adapters_only", "train_embeddings", "train_norms")
+#: Names `checkpoint.allow_changed` accepts: what `resume_changes` can report.
+CHANGEABLE = tuple(f"model.{f.name}" for f in dataclasses.fields(ModelConfig) if f.name != "max_seq_len") + \
+    tuple(f"lora.{f}" for f in _LORA_FIELDS) + ("tokenizer",)
+
+
+def resume_changes(saved: CheckpointMeta, run: CheckpointMeta) -> dict[str, tuple[Any, Any]]:
+    """`{field: (checkpoint's value, this run's)}` for every recorded model / LoRA field that differs.
+
+    `model.max_seq_len` is not compared: it is the RoPE table length, which follows data.seq_len.
+    A checkpoint without model_config.json (written by hand or by an old version) records nothing.
+    """
+    if saved.model is None or run.model is None:
+        return {}
+    out: dict[str, tuple[Any, Any]] = {}
+    a, b = dataclasses.asdict(saved.model), dataclasses.asdict(run.model)
+    for k in a:
+        if k != "max_seq_len" and a[k] != b[k]:
+            out[f"model.{k}"] = (a[k], b[k])
+    sl, rl = saved.lora, run.lora
+    if (sl is None) != (rl is None):
+        out["lora.rank"] = (sl.rank if sl else 0, rl.rank if rl else 0)
+    elif sl is not None and rl is not None:
+        for k in _LORA_FIELDS:
+            if saved.lora_recorded and k not in saved.lora_recorded:
+                continue  # an older lora_config.json: not recorded, not compared
+            x, y = getattr(sl, k), getattr(rl, k)
+            if k == "targets":
+                if not x:  # [] = not recorded
+                    continue
+                x, y = sorted(x), sorted(y)
+            if x != y:
+                out[f"lora.{k}"] = (x, y)
+    return out

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import json
 import math
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -16,6 +16,7 @@ from torch.distributed.tensor import DTensor
 from shardlm._torch_compat import float8_linear_class
 from shardlm.build import build_model, build_model_config, uses_fp8_all_gather
 from shardlm.checkpoint import Checkpointer
+from shardlm.checkpoint.lineage import tokenizer_fingerprint
 from shardlm.checkpoint.meta import CheckpointMeta
 from shardlm.config import Config
 from shardlm.data import build_loader, load_tokenizer, resolve_files
@@ -27,36 +28,11 @@ from shardlm.observe.metrics import MetricsLogger, Throughput, peak_flops, read_
 from shardlm.parallel.dims import ParallelDims, dp_rank
 from shardlm.parallel.fsdp import clip_grad_norm_
 from shardlm.quant.fp8 import precompute_fp8_scales
-from shardlm.train.optim import build_lr_scheduler, build_optimizer
+from shardlm.train.optim import build_lr_scheduler, build_optimizer, extended_anchor
 from shardlm.train.preemption import Preemption
+from shardlm.train.rundir import RunLock, check_writable, prepare_metrics_file, write_config
 from shardlm.train.state import TrainState
 from shardlm.train.step import Batch, forward_backward
-
-
-def prepare_output_dir(cfg: Config, is_rank0: bool) -> Path:
-    """Create the run directory and write the resolved config."""
-    out = Path(cfg.train.output_dir)
-    if is_rank0:
-        try:
-            out.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise ConfigError(f"train.output_dir {str(out)!r} cannot be created: {e.strerror}") from None
-        (out / "config.toml").write_text(cfg.to_toml())
-    return out
-
-
-def prepare_metrics_file(out: Path, resumed_step: int | None) -> None:
-    """Fresh run: keep an earlier metrics.jsonl aside. Resumed: drop the records after the checkpoint
-    (the resumed run logs those steps again)."""
-    path = out / "metrics.jsonl"
-    if not path.exists():
-        return
-    if resumed_step is None:
-        stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(path.stat().st_mtime))
-        path.rename(out / f"metrics.{stamp}.jsonl")
-        return
-    keep = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= resumed_step]
-    path.write_text("".join(line + "\n" for line in keep))
 
 
 @dataclass
@@ -103,10 +79,21 @@ class Trainer:
             print(warning, file=sys.stderr, flush=True)
         torch.manual_seed(cfg.train.seed)
         self.mesh = self.dims.build_mesh(self.env.device.type)
-        self.output_dir = prepare_output_dir(cfg, self.is_rank0)
+        self.output_dir = Path(cfg.train.output_dir)
+        self.locks = self.lock_run_folders()
+        try:
+            self.build()
+        except BaseException:
+            self.release_locks()  # a start that failed leaves the folder free for the next one
+            raise
+
+    def build(self) -> None:
+        """Data, model, optimizer, checkpointer and resume, schedule, run files: after the folder lock."""
+        cfg = self.cfg
         self.loader, self.data_meta = self.build_data()
         self.model = build_model(cfg, self.model_cfg, self.mesh, self.env.device)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.check_writable()
         self.fp8_all_gather = uses_fp8_all_gather(cfg, self.env.device)
         self.skipped_in_row = self.skipped_total = 0
         self.optimizer = build_optimizer(self.model, cfg.train, self.env.device)
@@ -114,16 +101,108 @@ class Trainer:
         self.checkpointer = Checkpointer(cfg.checkpoint, self.checkpoint_dir, self.env.rank, self.model,
                                          self.optimizer, {"trainer": self.state}, log=self.log,
                                          trainable_only=cfg.lora.adapters_only,
-                                         meta=CheckpointMeta.from_config(cfg, self.model_cfg))
+                                         meta=CheckpointMeta.from_config(cfg, self.model_cfg),
+                                         info=self.run_info())
         self.resumed_from = self.checkpointer.load()
+        self.started_at = self.step
         if self.resumed_from is not None:
             self.log(f"checkpoint: resumed from {self.resumed_from} at step {self.step} "
                      f"({self.loader.samples_seen} samples consumed)")
-        self.scheduler = build_lr_scheduler(self.optimizer, cfg.train, last_step=self.step)
-        if self.is_rank0:
-            prepare_metrics_file(self.output_dir, self.step if self.resumed_from else None)
+        self.scheduler = build_lr_scheduler(self.optimizer, cfg.train, last_step=self.step, anchor=self.lr_anchor())
+        self.checkpointer.info["schedule"] = {"steps": cfg.train.steps, "anchor": self.scheduler.anchor}
+        if self.is_rank0:  # written once the run is known to start: a failed retry leaves the last one
+            if kept := write_config(self.output_dir, cfg.to_toml()):
+                self.log(f"config: this start's config.toml differs from the last one, kept as {kept.name}")
+            prepare_metrics_file(self.output_dir, self.step if self.resumed_from else None, log=self.log)
         self.metrics = MetricsLogger(self.output_dir, cfg.train.steps, self.is_rank0, cfg.metrics.progress_bar,
                                      cfg.metrics.tensorboard, start_step=self.step)
+
+    def lock_run_folders(self) -> list[RunLock]:
+        """Rank 0 locks train.output_dir (and checkpoint.dir when it lies elsewhere) before anything is
+        written there; every rank gets rank 0's verdict, so all stop together with its line."""
+        folders = [(self.output_dir, "train.output_dir")]
+        ck = self.checkpoint_dir.resolve()
+        if not ck.is_relative_to(self.output_dir.resolve()):
+            folders.append((self.checkpoint_dir, "checkpoint.dir"))
+        locks, error = [], [None]
+        if self.is_rank0:
+            try:
+                for folder, what in folders:
+                    try:
+                        folder.mkdir(parents=True, exist_ok=True)
+                    except OSError as e:
+                        raise ConfigError(f"{what} {str(folder)!r} cannot be created: {e.strerror}") from None
+                    lock = RunLock(folder, self.log, what)
+                    lock.acquire()
+                    locks.append(lock)
+            except ConfigError as e:
+                for lock in locks:
+                    lock.release()
+                error = [str(e)]
+        dist.broadcast_object_list(error, src=0)
+        if error[0] is not None:
+            raise ConfigError(error[0])
+        return locks
+
+    def release_locks(self) -> None:
+        for lock in self.locks:
+            lock.release()
+        self.locks = []
+
+    def check_writable(self) -> None:
+        """Every rank can write where it will write, and one checkpoint fits, before step 1."""
+        env, c = self.env, self.cfg.checkpoint
+        saved = self.params if self.cfg.lora.adapters_only else list(self.model.parameters())
+        n_saved, n_trained = sum(p.numel() for p in saved), sum(p.numel() for p in self.params)
+        need = 4 * n_saved + 8 * n_trained  # fp32 weights + two AdamW moments
+        warnings, error = [], None
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        try:
+            check_writable(self.output_dir, "train.output_dir", env.rank)
+            if c.save_final or c.interval > 0:
+                w = check_writable(self.checkpoint_dir, "checkpoint.dir" if c.dir else "train.output_dir",
+                                   env.rank, need, share=local_world / env.world_size)
+                warnings += [w] if w else []
+        except ConfigError as e:
+            error = str(e)
+        flag = torch.tensor([float(error is not None)])
+        dist.all_reduce(flag)
+        if error is not None:
+            raise ConfigError(error)
+        if flag.item():
+            raise ConfigError("another rank cannot write its output or checkpoint folder (see its error)")
+        for w in warnings:
+            self.log(w)
+
+    def run_info(self) -> dict:
+        """Facts each checkpoint.json records (checkpoint/lineage.py)."""
+        return {"world_size": self.env.world_size, "global_batch": self.loader.global_batch,
+                "tokenizer": tokenizer_fingerprint(self.cfg.tokenizer_spec())}
+
+    def lr_anchor(self):
+        """Where the LR decay restarts after a resume that changed train.steps (see optim.lr_factor)."""
+        rec, t = self.checkpointer.resumed_record, self.cfg.train
+        if rec is None:
+            return None
+        info = rec.info
+        if info.get("global_batch") not in (None, self.loader.global_batch):
+            self.log(f"resume: the global batch changes from {info['global_batch']} to {self.loader.global_batch} "
+                     f"sequences ({info.get('world_size')} -> {self.env.world_size} ranks x "
+                     f"train.micro_batch_size={t.micro_batch_size} x grad_accum={t.grad_accum}); the data goes on "
+                     "where it stopped, the LR schedule counts optimizer steps as before")
+        sched = info.get("schedule") or {}
+        saved_steps, saved = sched.get("steps"), sched.get("anchor")
+        saved = tuple(saved) if isinstance(saved, list) and len(saved) == 2 else None
+        if not isinstance(saved_steps, int):
+            return None
+        anchor = extended_anchor(self.step, t, saved_steps, saved)
+        if saved_steps != t.steps:
+            from shardlm.train.optim import lr_factor
+
+            self.log(f"resume: train.steps {saved_steps} -> {t.steps}: the learning rate goes on from "
+                     f"{t.lr * lr_factor(self.step, t, anchor):.3g} at step {self.step} and decays to "
+                     f"{t.lr * t.min_lr_ratio:.3g} at step {t.steps} (no jump back up)")
+        return anchor
 
     @property
     def checkpoint_dir(self) -> Path:
@@ -208,6 +287,7 @@ class Trainer:
             self.log(f"nothing to do: the checkpoint is at step {self.step} and train.steps={t.steps}; "
                      "raise train.steps to train further")
         records, start, stopped = [], time.perf_counter(), False
+        self.checkpointer.info["schedule"] = {"steps": t.steps, "anchor": self.scheduler.anchor}
         while self.step < t.steps and not stopped:
             lr = self.scheduler.get_last_lr()[0]
             res = self.train_step(self.loader.next_step(), self.preemption.requested)
@@ -276,7 +356,10 @@ class Trainer:
         t = self.cfg.train
         if records:
             skipped = f" ({self.skipped_total} non-finite steps skipped)" if self.skipped_total else ""
-            self.metrics.write(f"done: {self.step} steps in {elapsed:.1f}s{skipped}, loss {records[0]['loss']:.3f} -> "
+            ran = self.step - self.started_at
+            span = f"steps {self.started_at + 1}-{self.step}" if ran > 1 else f"step {self.step}"
+            self.metrics.write(f"done: ran {ran} step{'s' if ran != 1 else ''} ({span}; {self.step} of "
+                               f"train.steps={t.steps}) in {elapsed:.1f}s{skipped}, loss {records[0]['loss']:.3f} -> "
                                f"{records[-1]['loss']:.3f}; outputs in {self.output_dir}/ (config.toml, metrics.jsonl)")
         if sample and t.sample_tokens > 0:
             ids = generate(self.model, self.tokenizer.encode(t.sample_prompt), t.sample_tokens,
@@ -288,6 +371,7 @@ class Trainer:
         """Finish the in-flight save, release the model and every process group; the end of a Trainer."""
         self.preemption.uninstall()
         self.checkpointer.close()
+        self.release_locks()
         # The FSDP state inside the model holds the process groups: drop it so that their threads end
         # here and not during interpreter shutdown (see shutdown_distributed).
         self.model = self.optimizer = self.scheduler = self.params = None
