@@ -219,6 +219,9 @@ def checkpoint_safety(tmp: str, corpus: str) -> dict:
         # A model-only final checkpoint with nothing older can't be resumed from.
         start(base(steps=2, **{"checkpoint.model_only": True, "train.output_dir": str(tmp / "mo")}), train=True)
         errors["model_only"] = fails(base(steps=4, **{"train.output_dir": str(tmp / "mo")}))
+        # Starting fresh there sets the old checkpoint aside (kept) instead of mixing two lineages.
+        start(base(steps=4, **{"train.output_dir": str(tmp / "mo"), "checkpoint.resume": "none"}))
+        out["fresh_aside"] = sorted(p.name for p in (tmp / "mo").glob("checkpoints/*/*/step-*"))
         out["errors"] = errors
         # Branching: resume step-4 of a 6-step run and save step-5; step-6 is set aside (not deleted),
         # keep_last=1 never deletes the branch point step-4, and auto then picks step-5, not step-6.
@@ -261,6 +264,7 @@ def test_checkpoint_safety(tmp_path, corpus):
     assert "checkpoint.dir '/proc/shardlm-ck' cannot be created" in e["unwritable"]
     assert "holds the model only" in e["model_only"]
     assert all(v is not None and "\n" not in v for v in e.values()), e
+    assert out["fresh_aside"] == ["step-2"] and "this run starts a new lineage here; step-2" in log
     assert out["branch"] == {"folder": ["step-4", "step-5"], "aside": ["step-6"], "auto": "step-5"}
     assert "resuming step-4 starts a branch; step-6 (not its ancestors) moved to" in log
 
