@@ -31,13 +31,17 @@ def build_model_config(cfg: Config, tokenizer_vocab: int) -> ModelConfig:
     """The preset (or the HF folder's config.json), with any model.* overrides, RoPE sized to data.seq_len."""
     overrides = {k: v for k, v in dataclasses.asdict(cfg.model).items()
                  if k not in ("preset", "init_from") and v is not None}
+    if cfg.model.init_from and overrides:
+        raise ConfigError(f"model.{next(iter(overrides))} cannot change the shape of a model loaded with "
+                          "model.init_from; drop the override")
     if cfg.model.hf_dir is not None:
         from shardlm.interop.hf.config import read_hf_config
 
-        if overrides:
-            raise ConfigError(f"model.{next(iter(overrides))} cannot change the shape of a model loaded with "
-                              "model.init_from; drop the override")
         base, _ = read_hf_config(cfg.model.hf_dir)
+    elif cfg.model.dcp_dir is not None:
+        from shardlm.checkpoint.init import dcp_model_config
+
+        base = dcp_model_config(cfg.model.dcp_dir)
     else:
         try:
             base = get_preset(cfg.model.preset)
@@ -60,15 +64,21 @@ def build_model_config(cfg: Config, tokenizer_vocab: int) -> ModelConfig:
 def materialize_weights(model: Transformer, cfg: Config, device: torch.device) -> None:
     """Real storage for this rank's shards, filled by a shard-invariant init or from the HF files."""
     model.to_empty(device="cpu" if cfg.train.cpu_offload else device)
-    if cfg.model.hf_dir is None:
+    if not cfg.model.init_from:
         model.init_weights(seed=cfg.train.seed, shard_view=shard_view)  # LoRA adapters start here too (B = 0)
         return
-    from shardlm.interop.hf.load import load_hf_weights
     from shardlm.lora import is_lora_param
 
-    # The HF files hold every base weight (load_hf_weights errors on any missing): draw only the
-    # adapters, not 70B numbers that the load overwrites.
+    # The HF files / the checkpoint hold every base weight (the loaders error on any missing): draw only
+    # the adapters, not 70B numbers that the load overwrites.
     model.init_weights(seed=cfg.train.seed, shard_view=shard_view, only=is_lora_param)
+    if cfg.model.dcp_dir is not None:
+        from shardlm.checkpoint.init import load_dcp_weights
+
+        load_dcp_weights(model, cfg.model.dcp_dir)
+        return
+    from shardlm.interop.hf.load import load_hf_weights
+
     load_hf_weights(model, cfg.model.hf_dir)
 
 

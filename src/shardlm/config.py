@@ -39,8 +39,10 @@ def _key(f: dataclasses.Field) -> str:
 @dataclass
 class ModelSection:
     preset: str = _f("debug", "Exact name of a model shape in shardlm.models.presets (see `shardlm presets`).")
-    init_from: str = _f("", "`hf:/path/to/dir`: shape from its config.json, weights from its safetensors "
-                        "(each rank reads only its shards); empty = random init of model.preset.")
+    init_from: str = _f("", "`hf:/path/to/dir`: shape from its config.json, weights from its safetensors; "
+                        "`dcp:/path/to/step-N`: shape and weights from a DCP checkpoint (`shardlm convert hf-to-dcp` "
+                        "output or a shardlm checkpoint; a fresh start, not a resume). Each rank reads only its "
+                        "shards. Empty = random init of model.preset.")
     n_layers: int | None = _f(None, "Override the preset's number of transformer blocks (e.g. to fit a benchmark).")
     dim: int | None = _f(None, "Override the preset's hidden size.")
     n_heads: int | None = _f(None, "Override the preset's number of attention heads.")
@@ -51,7 +53,12 @@ class ModelSection:
     @property
     def hf_dir(self) -> Path | None:
         """The folder model.init_from names (`hf:/path`), or None for a random init."""
-        return Path(self.init_from[len("hf:"):]) if self.init_from else None
+        return Path(self.init_from[len("hf:"):]) if self.init_from.startswith("hf:") else None
+
+    @property
+    def dcp_dir(self) -> Path | None:
+        """The checkpoint model.init_from names (`dcp:/path`), or None."""
+        return Path(self.init_from[len("dcp:"):]) if self.init_from.startswith("dcp:") else None
 
 
 @dataclass
@@ -191,6 +198,14 @@ class Config:
         if self.data.tokenizer != "auto":
             return self.data.tokenizer
         d = self.model.hf_dir
+        if self.model.dcp_dir is not None:  # the tokenizer its HF source had, when it recorded one
+            from shardlm.checkpoint.meta import CheckpointMeta
+            from shardlm.errors import CheckpointError
+
+            try:
+                d = CheckpointMeta.load(self.model.dcp_dir).tokenizer_dir
+            except CheckpointError:
+                d = None
         return str(d) if d is not None and (d / "tokenizer.json").is_file() else "bytes"
 
 
@@ -359,10 +374,11 @@ def validate(cfg: Config) -> None:
                           f"{lo.rank}, {lo.alpha}, {lo.dropout}")
     if lo.rank and not lo.targets:
         raise ConfigError("lora.targets is empty; name the linear layers to adapt (e.g. q_proj,v_proj)")
-    if lo.adapters_only and not (lo.rank and cfg.model.init_from):
-        raise ConfigError("lora.adapters_only needs lora.rank > 0 and model.init_from (the base to re-read)")
-    if cfg.model.init_from and not cfg.model.init_from.startswith("hf:"):
-        raise ConfigError(f"model.init_from={cfg.model.init_from!r}: use hf:/path/to/hf_model_dir")
+    if lo.adapters_only and not (lo.rank and cfg.model.hf_dir):
+        raise ConfigError("lora.adapters_only needs lora.rank > 0 and model.init_from=hf:<dir> (the base to re-read)")
+    if cfg.model.init_from and not cfg.model.init_from.startswith(("hf:", "dcp:")):
+        raise ConfigError(f"model.init_from={cfg.model.init_from!r}: use hf:/path/to/hf_model_dir or "
+                          "dcp:/path/to/checkpoint")
     if not t.output_dir:
         raise ConfigError("train.output_dir must not be empty")
 

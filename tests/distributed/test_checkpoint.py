@@ -320,3 +320,51 @@ def test_async_save_overlaps_training_and_keeps_the_step_state(tmp_path, corpus)
     for step in (3, 6):
         assert out["loaded"][step] == out["snapshots"][step], step  # not a later step's weights
     assert out["snapshots"][3] != out["snapshots"][6]
+
+
+def init_from_dcp(tmp: str, corpus: str, hf: str, converted: str) -> dict:
+    """2 ranks: a run started from `convert hf-to-dcp`'s output equals one started from the HF folder,
+    and a model-only final checkpoint is a starting point with the trained weights."""
+    from shardlm.config import load_config
+    from shardlm.errors import CheckpointError, ConfigError
+    from shardlm.train.trainer import Trainer
+
+    tmp = Path(tmp)
+
+    def run(name, init, steps=2, train=True, **kw):
+        t = Trainer(load_config(None, _overrides(tmp / name, corpus, tmp / "cache", mbs=1, steps=steps, **{
+            "model.init_from": init, "data.tokenizer": f"{hf}/tokenizer.json", **kw})))
+        recs = t.train() if train else []
+        out = {"loss": [r["loss"] for r in recs], "weights": _checksums(t.model)}
+        t.checkpointer.close()
+        t.release_locks()
+        return out
+
+    res = {"hf": run("hf", f"hf:{hf}", **{"checkpoint.model_only": True}), "dcp": run("dcp", f"dcp:{converted}")}
+    res["again"] = run("again", f"dcp:{tmp / 'hf' / 'checkpoints' / 'step-2'}", train=False)
+    errors = {}
+    for name, init, kw in (("missing", f"dcp:{tmp / 'nope'}", {}),
+                           ("override", f"dcp:{converted}", {"model.n_layers": 2})):
+        try:
+            run(f"err-{name}", init, train=False, **kw)
+        except (CheckpointError, ConfigError) as e:
+            errors[name] = str(e)
+    res["errors"] = errors
+    return res
+
+
+def test_init_from_a_dcp_checkpoint(tmp_path, corpus):
+    from shardlm.assets.debug_hf import make_tiny_hf
+    from shardlm.interop.hf.import_ import import_hf_to_dcp
+
+    hf = make_tiny_hf(tmp_path / "hfmodel")
+    import_hf_to_dcp(hf, tmp_path / "converted")
+    out = run_ranks(2, init_from_dcp, str(tmp_path), str(corpus), str(hf), str(tmp_path / "converted"))
+    assert out["dcp"]["loss"] == out["hf"]["loss"] and len(out["hf"]["loss"]) == 2  # the same start, bit for bit
+    assert out["again"]["weights"] == out["hf"]["weights"]  # starts from the trained, model-only weights
+    assert "no such folder" in out["errors"]["missing"]
+    assert "model.n_layers cannot change the shape" in out["errors"]["override"]
+    from shardlm.config import load_config
+
+    cfg = load_config(None, [f"--model.init_from=dcp:{tmp_path / 'converted'}"])  # tokenizer auto: the source's
+    assert cfg.tokenizer_spec() == str(hf.resolve())

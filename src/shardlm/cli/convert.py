@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -27,7 +28,8 @@ def run(a: argparse.Namespace, overrides: list[str]) -> int:
         from shardlm.interop.hf.import_ import import_hf_to_dcp
 
         import_hf_to_dcp(a.hf_dir, a.out, dtype=a.dtype)
-        print(f"wrote DCP checkpoint {a.out} (model only; train with checkpoint.resume={a.out})")
+        print(f"wrote DCP checkpoint {a.out} (model only): start a run from it with "
+              f"--model.init_from=dcp:{Path(a.out).resolve()}")
         return 0
     from shardlm.interop.hf.export import export_checkpoint
 

@@ -84,7 +84,10 @@ def import_hf_to_dcp(
         warnings.filterwarnings("ignore", message=SINGLE_PROCESS_WARNING)
         dcp.save({"model": meta_sd}, checkpoint_id=str(tmp), planner=_LazyHFPlanner(sources, dtype_of),
                  no_dist=True)
-    CheckpointMeta(model=cfg).save(tmp)
+    # Where it came from: `model.init_from=dcp:<out>` then finds the tokenizer, the export its source.
+    src_abs = src.resolve()
+    CheckpointMeta(model=cfg, init_from=f"hf:{src_abs}",
+                   tokenizer=str(src_abs) if (src_abs / "tokenizer.json").is_file() else None).save(tmp)
     if out.exists():
         out.rmdir()  # an empty folder (a non-empty one is refused by rmdir)
     tmp.rename(out)
