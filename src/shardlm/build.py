@@ -27,8 +27,12 @@ from shardlm.quant.fp8 import apply_fp8, check_fp8_hardware, fp8_all_gather
 Materialize = Callable[[Transformer, Config, torch.device], None]
 
 
-def build_model_config(cfg: Config, tokenizer_vocab: int) -> ModelConfig:
-    """The preset (or the HF folder's config.json), with any model.* overrides, RoPE sized to data.seq_len."""
+def build_model_config(cfg: Config, tokenizer_vocab: int, warn: Callable[[str], None] | None = None) -> ModelConfig:
+    """The preset (or the HF folder's config.json), with any model.* overrides, RoPE sized to data.seq_len.
+
+    `warn` gets one line for what is allowed but likely a mistake: a data.seq_len beyond the context a
+    pretrained model (model.init_from) was trained for.
+    """
     overrides = {k: v for k, v in dataclasses.asdict(cfg.model).items()
                  if k not in ("preset", "init_from") and v is not None}
     if cfg.model.init_from and overrides:
@@ -47,6 +51,11 @@ def build_model_config(cfg: Config, tokenizer_vocab: int) -> ModelConfig:
             base = get_preset(cfg.model.preset)
         except KeyError as e:
             raise ConfigError(f"model.preset: {e.args[0]}") from None
+    if warn is not None and cfg.model.init_from and cfg.data.seq_len > base.max_seq_len:
+        where = (f"max_position_embeddings={base.max_seq_len} in {cfg.model.hf_dir / 'config.json'}"
+                 if cfg.model.hf_dir is not None else f"the checkpoint's max_seq_len={base.max_seq_len}")
+        warn(f"shardlm: warning: data.seq_len={cfg.data.seq_len} is beyond {where}: positions past "
+             f"{base.max_seq_len} were never trained (RoPE extrapolates); lower data.seq_len or expect a worse start")
     if ({"dim", "n_heads"} & overrides.keys()) and base.head_dim == base.dim // base.n_heads:
         overrides["head_dim"] = None  # derived, not set by the preset: derive it again (Qwen3's stays)
     if "n_heads" in overrides and "n_kv_heads" not in overrides and base.n_kv_heads == base.n_heads:
@@ -107,7 +116,7 @@ def build_model(cfg: Config, mc: ModelConfig, mesh: DeviceMesh, device: torch.de
     apply_ac(model, t.ac, every=t.ac_every)
     if t.compile:
         apply_compile(model, t.compile_backend)
-    apply_fsdp(model, mesh, mp_policy(t.mixed_precision, t.reduce_dtype), cfg.parallel.reshard_after_forward,
+    apply_fsdp(model, mesh, mp_policy(t.precision(device.type), t.reduce_dtype), cfg.parallel.reshard_after_forward,
                cpu_offload=t.cpu_offload)
     materialize(model, cfg, device)
     return model

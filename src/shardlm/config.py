@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import sys
 import types
 import typing
@@ -95,9 +96,10 @@ class TrainSection:
         "stay sharded and memory does not depend on grad_accum (HSDP defers only the cross-replica all-reduce to the "
         "last micro-batch); step = no gradient collective before the last micro-batch: less traffic, but every rank "
         "holds the unsharded gradients of every trainable parameter.")
-    mixed_precision: Literal["bf16", "fp32", "fp8"] = _f(
-        "bf16", "bf16: bf16 params/compute with fp32 master weights and optimizer state; fp32: all fp32; "
-        "fp8: bf16 plus torchao float8 linears (needs the [fp8] extra and an FP8-capable GPU).")
+    mixed_precision: Literal["auto", "bf16", "fp32", "fp8"] = _f(
+        "auto", "auto: fp32 on CPU (no fast bf16 matmuls there), bf16 on GPUs; bf16: bf16 params/compute with "
+        "fp32 master weights and optimizer state; fp32: all fp32; fp8: bf16 plus torchao float8 linears (needs "
+        "the [fp8] extra and an FP8-capable GPU).")
     fp8_recipe: Literal["tensorwise", "rowwise"] = _f(
         "tensorwise", "torchao float8 scaling: tensorwise (float8 all-gather in FSDP) or rowwise (more accurate).")
     fp8_emulate: bool = _f(False, "Emulate the float8 matmuls (any device; slow): for tests on CPU.")
@@ -129,6 +131,12 @@ class TrainSection:
     sample_tokens: int = _f(0, "After training, generate this many tokens from train.sample_prompt and print them.")
     sample_prompt: str = _f("def ", "Prompt for the end-of-training sample.")
 
+    def precision(self, device_type: str) -> str:
+        """train.mixed_precision with `auto` resolved for a device: fp32 on CPU, bf16 on accelerators."""
+        if self.mixed_precision != "auto":
+            return self.mixed_precision
+        return "fp32" if device_type == "cpu" else "bf16"
+
 
 @dataclass
 class DataSection:
@@ -144,7 +152,8 @@ class DataSection:
     pack: bool = _f(True, "sft: pack samples into seq_len windows (true) or pad one sample per row (false).")
     seq_len: int = _f(128, "Tokens per training sequence (documents are packed, EOS-separated).")
     shuffle: bool = _f(True, "Shuffle the packed sequences (a fresh permutation every epoch).")
-    cache_dir: str = _f("", "Where the tokenised corpus is cached; empty = $XDG_CACHE_HOME/shardlm (~/.cache/shardlm).")
+    cache_dir: str = _f("", "Where the tokenised corpus is cached; empty = $XDG_CACHE_HOME/shardlm/tokens "
+                         "(~/.cache/shardlm/tokens).")
 
 
 @dataclass
@@ -278,10 +287,11 @@ def _coerce(dotted: str, tp: Any, value: Any, from_string: bool) -> Any:
             if from_string:
                 return int(value)
         elif base is float:
-            if isinstance(value, (int, float)) and not isinstance(value, bool):
-                return float(value)
-            if from_string:
-                return float(value)
+            if (isinstance(value, (int, float)) and not isinstance(value, bool)) or from_string:
+                number = float(value)
+                if not math.isfinite(number):  # a NaN passes every `<` check below and poisons the run
+                    raise ConfigError(f"{dotted} must be a finite number, got {value!r}")
+                return number
         elif base is str:
             if isinstance(value, str):
                 return value
@@ -353,7 +363,7 @@ def validate(cfg: Config) -> None:
             raise ConfigError(f"model.{key} must be >= 1, got {v}")
     if p.dp_shard < 1 and p.dp_shard != -1:
         raise ConfigError(f"parallel.dp_shard must be >= 1 or -1 (fill), got {p.dp_shard}")
-    nonneg = {"train.lr": t.lr, "train.warmup_steps": t.warmup_steps, "train.weight_decay": t.weight_decay,
+    nonneg = {"train.seed": t.seed, "train.lr": t.lr, "train.warmup_steps": t.warmup_steps, "train.weight_decay": t.weight_decay,
               "train.grad_clip": t.grad_clip, "train.sample_tokens": t.sample_tokens, "train.eps": t.eps}
     for key, v in nonneg.items():
         if v < 0:
@@ -393,6 +403,7 @@ def describe() -> str:
             base, optional = _type_args(hints[f.name])
             tname = (" | ".join(map(repr, typing.get_args(base))) if typing.get_origin(base) is Literal
                      else base.__name__) + (" | none" if optional else "")
-            lines.append(f"  {name}.{_key(f)} = {f.default!r}  ({tname})")
+            default = f.default_factory() if f.default is dataclasses.MISSING else f.default  # type: ignore[misc]
+            lines.append(f"  {name}.{_key(f)} = {default!r}  ({tname})")
             lines.append(f"      {f.metadata['doc']}")
     return "\n".join(lines)

@@ -6,6 +6,12 @@ import torch
 from torch import nn
 
 
+def prompt_ids(tokenizer, prompt: str) -> list[int]:
+    """`prompt` encoded; an empty prompt starts at a document boundary (EOS), as each document does in
+    the packed training data, so the model samples the start of a document."""
+    return tokenizer.encode(prompt) or [tokenizer.eos_id]
+
+
 @torch.no_grad()
 def generate(model: nn.Module, prompt: list[int], max_new_tokens: int, context: int, *,
              temperature: float = 0.8, top_k: int = 50, seed: int = 0, device: torch.device | None = None) -> list[int]:
@@ -14,6 +20,8 @@ def generate(model: nn.Module, prompt: list[int], max_new_tokens: int, context: 
     Under FSDP all ranks must call this with the same arguments: the forward all-gathers, and the
     shared seed keeps every rank's sampled tokens identical.
     """
+    if not prompt:
+        raise ValueError("generate needs at least one prompt token (see prompt_ids)")
     gen = torch.Generator(device="cpu").manual_seed(seed)
     ids = list(prompt)
     for _ in range(max_new_tokens):

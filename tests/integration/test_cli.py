@@ -57,7 +57,7 @@ def test_single_process_run(tmp_path, corpus):
 @pytest.mark.parametrize("override, needle", [
     ("--train.stepz=5", "unknown config key 'train.stepz'; did you mean 'train.steps'?"),
     ("--train.steps=abc", "train.steps expects int, got 'abc'"),
-    ("--model.preset=llama9", "unknown model preset 'llama9'; valid presets: debug, llama3_1b"),
+    ("--model.preset=llama9", "unknown model preset 'llama9'; did you mean 'llama3_8b'? valid presets: debug, llama3_1b"),
     ("--parallel.dp_shard=2", "mesh parallel.dp_replicate=1 x parallel.dp_shard=2 = 2 ranks, but the world size is 1"),
 ])
 def test_bad_input_is_one_clear_line(tmp_path, corpus, override, needle):

@@ -30,7 +30,7 @@ def test_resolved_config_round_trips_through_toml(tmp_path):
     (["--trian.steps=5"], "unknown config section 'trian'; did you mean 'train'?"),
     (["--train.steps=five"], "train.steps expects int, got 'five'"),
     (["--train.lr=fast"], "train.lr expects float"),
-    (["--train.mixed_precision=fp16"], "train.mixed_precision must be one of 'bf16', 'fp32'"),
+    (["--train.mixed_precision=fp16"], "train.mixed_precision must be one of 'auto', 'bf16', 'fp32'"),
     (["--metrics.tensorboard=maybe"], "metrics.tensorboard expects bool"),
     (["--train.steps=0"], "train.steps must be >= 1"),
     (["--parallel.dp_shard=0"], "parallel.dp_shard must be >= 1 or -1"),
@@ -97,6 +97,16 @@ def test_describe_documents_every_key():
                 "parallel.dp_shard", "parallel.dp_replicate", "data.path", "data.seq_len", "data.tokenizer",
                 "metrics.log_every"):
         assert f"  {key} = " in text
+    assert "_MISSING" not in text and "  lora.targets = ['q_proj', 'k_proj'," in text  # list defaults shown as such
+    assert "empty = $XDG_CACHE_HOME/shardlm/tokens" in text  # where the cache really is (data/loader.py)
+
+
+def test_mixed_precision_auto_is_fp32_on_cpu_bf16_on_gpus():
+    t = Config().train
+    assert t.mixed_precision == "auto" and t.precision("cpu") == "fp32" and t.precision("cuda") == "bf16"
+    for explicit in ("bf16", "fp32", "fp8"):
+        t.mixed_precision = explicit
+        assert t.precision("cpu") == t.precision("cuda") == explicit
 
 
 def test_shape_overrides_rederive_head_dim():
@@ -104,3 +114,41 @@ def test_shape_overrides_rederive_head_dim():
     assert mc.head_dim == 64 and mc.n_kv_heads == 2
     q3 = build_model_config(load_config(None, ["--model.preset=qwen3_0_6b", "--model.n_layers=2"]), 257)
     assert q3.head_dim == 128  # explicit in the preset: kept
+
+
+@pytest.mark.parametrize("key", ["train.lr", "train.eps", "train.grad_clip", "train.weight_decay", "train.beta1",
+                                 "train.min_lr_ratio", "lora.alpha", "lora.dropout", "checkpoint.preempt_grace_s"])
+@pytest.mark.parametrize("bad", ["nan", "inf", "-inf"])
+def test_every_float_key_rejects_nan_and_inf(tmp_path, key, bad):
+    with pytest.raises(ConfigError, match=f"^{key} must be a finite number, got '{bad}'$"):
+        load_config(None, [f"--{key}={bad}"])
+    section, name = key.split(".")
+    f = tmp_path / "c.toml"
+    f.write_text(f"[{section}]\n{name} = {bad}\n")  # TOML has nan/inf literals too
+    with pytest.raises(ConfigError, match=f"^{key} must be a finite number"):
+        load_config(f)
+
+
+def test_negative_seed_is_rejected():
+    with pytest.raises(ConfigError, match="train.seed must be >= 0, got -1"):
+        load_config(None, ["--train.seed=-1"])
+    assert load_config(None, ["--train.seed=0"]).train.seed == 0
+
+
+def test_seq_len_beyond_a_pretrained_context_warns_naming_both(tmp_path):
+    import json
+
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text(json.dumps(dict(
+        model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=300, max_position_embeddings=128, rms_norm_eps=1e-5, rope_theta=1e4)))
+    for seq_len, expect in ((128, 0), (256, 1)):
+        warned: list[str] = []
+        cfg = load_config(None, [f"--model.init_from=hf:{hf}", f"--data.seq_len={seq_len}"])
+        assert build_model_config(cfg, 257, warn=warned.append).max_seq_len == seq_len
+        assert len(warned) == expect, warned
+    assert "data.seq_len=256 is beyond max_position_embeddings=128 in" in warned[0]
+    warned = []  # a model trained from scratch has no pretrained context to exceed
+    build_model_config(load_config(None, ["--data.seq_len=1024"]), 257, warn=warned.append)
+    assert warned == []

@@ -182,6 +182,7 @@ def test_build_loader_branches_on_the_format_with_one_stats_shape(tmp_path):
         else:
             assert stats["documents"] == stats["samples"] == 5 and stats["template"] == "plain"
             assert len(logs) == 1 and logs[0].startswith("sft data: 5 samples") and f"{loader.n_rows} rows" in logs[0]
+            assert "plain ### User/### Assistant template," in logs[0] and "plain template" not in logs[0]
     assert shapes[0] == shapes[1]
 
 

@@ -88,3 +88,13 @@ def test_init_weights_only_fills_what_is_selected():
             assert torch.equal(p, ref[n])  # the same numbers as a full init
         else:
             assert bool((p == 7.0).all()), n  # untouched
+
+
+def test_empty_prompt_starts_at_a_document_boundary():
+    from shardlm.data.tokenizer import ByteTokenizer
+    from shardlm.generate import generate, prompt_ids
+
+    tok = ByteTokenizer()
+    assert prompt_ids(tok, "") == [tok.eos_id] and prompt_ids(tok, "ab") == [97, 98]
+    with pytest.raises(ValueError, match="at least one prompt token"):
+        generate(torch.nn.Identity(), [], 3, context=8)

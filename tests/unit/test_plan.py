@@ -106,6 +106,10 @@ def test_fp8_is_planned_with_float8_linears():
     fp8 = plan(_cfg("--model.preset=debug", "--train.mixed_precision=fp8"), 2, 80, alternatives=False)
     assert fp8.base.peak.total != bf16.base.peak.total  # the float8 casts are really there
     assert any("float8" in n and "emulated" in n for n in fp8.notes), fp8.notes
+    auto = plan(_cfg("--model.preset=debug"), 2, 80, alternatives=False)  # the default: auto
+    fp32 = plan(_cfg("--model.preset=debug", "--train.mixed_precision=fp32"), 2, 80, alternatives=False)
+    assert auto.base.peak.total == bf16.base.peak.total != fp32.base.peak.total  # planned for GPUs: bf16
+    assert any("mixed_precision=auto: planned as bf16" in n for n in auto.notes), auto.notes
 
 
 def test_cpu_offload_is_planned_with_the_offload_policy():
@@ -128,8 +132,8 @@ LLAMA32_1B_CONFIG = {  # the shape of Llama 3.2 1B, as its config.json writes it
 def test_plan_from_a_config_json_alone(tmp_path):
     (tmp_path / "m").mkdir()
     (tmp_path / "m" / "config.json").write_text(json.dumps(LLAMA32_1B_CONFIG))  # no weights, no tokenizer
-    r = plan(_cfg(f"--model.init_from=hf:{tmp_path / 'm'}", "--data.seq_len=256", "--train.micro_batch_size=1"), 8,
-             80, alternatives=False)
+    r = plan(_cfg(f"--model.init_from=hf:{tmp_path / 'm'}", "--data.seq_len=256", "--train.micro_batch_size=1",
+                  "--train.mixed_precision=bf16"), 8, 80, alternatives=False)
     from shardlm.models import get_preset
 
     assert r.n_params == get_preset("llama3_1b").num_params() and not r.notes

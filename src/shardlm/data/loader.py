@@ -26,6 +26,9 @@ from shardlm.errors import DataError
 __all__ = ["IGNORE_INDEX", "PackedLoader", "build_loader", "build_packed_loader", "data_stats", "default_cache_dir"]
 
 
+_TEMPLATE_WORDS = {"chat_template": "the tokenizer's chat template", "plain": "plain ### User/### Assistant template"}
+
+
 def default_cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "shardlm" / "tokens"
 
@@ -147,7 +150,7 @@ def build_loader(cfg, tokenizer: Tokenizer, dp_rank: int, dp_size: int, is_build
         loader, s = build_sft_loader(files, tokenizer, tokenizer.directory, pack=d.pack, **order)
         log(f"sft data: {s['samples']} samples ({s['truncated']} truncated to data.seq_len, "
             f"{s['dropped']} dropped with no answer left), {s['loss_tokens']} loss tokens, "
-            f"{s['template']} template, {'packed' if d.pack else 'padded'} into {loader.n_rows} rows")
+            f"{_TEMPLATE_WORDS.get(s['template'], s['template'])}, {'packed' if d.pack else 'padded'} into {loader.n_rows} rows")
         return loader, data_stats("sft", documents=s["records"], samples=s["samples"], tokens=s["tokens"],
                                   loss_tokens=s["loss_tokens"], rows=s["rows"], fill=s["fill"],
                                   truncated=s["truncated"], dropped=s["dropped"], template=s["template"])

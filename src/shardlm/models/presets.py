@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import difflib
+
 from shardlm.models.llama import ModelConfig, RopeScaling
 
 _LLAMA31 = RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192)
@@ -61,4 +63,6 @@ def get_preset(name: str) -> ModelConfig:
     try:
         return PRESETS[name]
     except KeyError:
-        raise KeyError(f"unknown model preset {name!r}; valid presets: {', '.join(PRESETS)}") from None
+        close = difflib.get_close_matches(name, list(PRESETS), n=1)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        raise KeyError(f"unknown model preset {name!r}; {hint}valid presets: {', '.join(PRESETS)}") from None

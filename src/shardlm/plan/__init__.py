@@ -114,6 +114,8 @@ def _notes(cfg: Config, shape_note: str | None) -> list[str]:
     t, notes = cfg.train, []
     if shape_note:
         notes.append(shape_note)
+    if t.mixed_precision == "auto":
+        notes.append("train.mixed_precision=auto: planned as bf16, what auto picks on GPUs (fp32 on a CPU)")
     if t.mixed_precision == "fp8":
         ag = " (float8 all-gather is NCCL-only and not modelled: all-gathers planned in bf16, an upper bound)" \
             if t.fp8_recipe == "tensorwise" else ""

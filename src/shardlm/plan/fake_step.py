@@ -77,6 +77,7 @@ def model_config(cfg: Config) -> tuple[ModelConfig, str | None]:
 def planned_config(cfg: Config) -> Config:
     """What the fake step runs: `cfg`, with float8 matmuls emulated (fake tensors run on the CPU)."""
     c = copy.deepcopy(cfg)
+    c.train.mixed_precision = c.train.precision("cuda")  # plans are for GPUs: auto means bf16 there
     if c.train.mixed_precision == "fp8":
         c.train.fp8_emulate = True  # same tensors as the FP8 kernels; no FP8-capable device needed
     c.train.compile = False  # not modelled (see `plan`'s notes): eager memory

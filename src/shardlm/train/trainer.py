@@ -23,7 +23,7 @@ from shardlm.data import build_loader, load_tokenizer, resolve_files
 from shardlm.data.loader import IGNORE_INDEX
 from shardlm.distributed.env import init_distributed, launched_world_size, restart_store_warning, shutdown_distributed
 from shardlm.errors import ConfigError, TrainingError
-from shardlm.generate import generate
+from shardlm.generate import generate, prompt_ids
 from shardlm.observe.metrics import MetricsLogger, Throughput, peak_flops, read_and_reset_peak_memory_gib
 from shardlm.parallel.dims import ParallelDims, dp_rank
 from shardlm.parallel.fsdp import clip_grad_norm_
@@ -69,14 +69,17 @@ class Trainer:
         # Everything that can be wrong with the config fails here, before any collective.
         self.dims = ParallelDims(cfg.parallel.dp_replicate, cfg.parallel.dp_shard, launched_world_size())
         self.tokenizer = load_tokenizer(cfg.tokenizer_spec())
-        self.model_cfg = build_model_config(cfg, self.tokenizer.vocab_size)
+        warnings: list[str] = []
+        self.model_cfg = build_model_config(cfg, self.tokenizer.vocab_size, warn=warnings.append)
         self.files = resolve_files(cfg.data.path)
         self.env = init_distributed(cfg.train.device)
         self.is_rank0 = self.env.rank == 0
         # From here on a SIGTERM is a request to checkpoint and stop, honoured after the next step.
         self.preemption = Preemption(cfg.checkpoint.preempt_grace_s, self.log)
-        if self.is_rank0 and (warning := restart_store_warning()):
-            print(warning, file=sys.stderr, flush=True)
+        if self.is_rank0:
+            for warning in [*warnings, restart_store_warning()]:
+                if warning:
+                    print(warning, file=sys.stderr, flush=True)
         torch.manual_seed(cfg.train.seed)
         self.mesh = self.dims.build_mesh(self.env.device.type)
         self.output_dir = Path(cfg.train.output_dir)
@@ -336,6 +339,8 @@ class Trainer:
     def precision_note(self) -> str:
         """``bf16``, or ``fp8 tensorwise (28 float8 linears, float8 all-gather)`` and the like."""
         t = self.cfg.train
+        if t.mixed_precision == "auto":
+            return f"{t.precision(self.env.device.type)} (train.mixed_precision=auto on {self.env.device.type})"
         if t.mixed_precision != "fp8":
             return t.mixed_precision
         float8 = float8_linear_class()
@@ -362,7 +367,7 @@ class Trainer:
                                f"train.steps={t.steps}) in {elapsed:.1f}s{skipped}, loss {records[0]['loss']:.3f} -> "
                                f"{records[-1]['loss']:.3f}; outputs in {self.output_dir}/ (config.toml, metrics.jsonl)")
         if sample and t.sample_tokens > 0:
-            ids = generate(self.model, self.tokenizer.encode(t.sample_prompt), t.sample_tokens,
+            ids = generate(self.model, prompt_ids(self.tokenizer, t.sample_prompt), t.sample_tokens,
                            self.cfg.data.seq_len, seed=t.seed, device=self.env.device)
             self.metrics.write("sample:\n" + self.tokenizer.decode(ids))
         self.metrics.close()
