@@ -10,7 +10,7 @@ One owner for the sidecar schema. `CheckpointMeta.save(dir)` writes, `Checkpoint
   checkpoint.json    lineage and run facts (checkpoint/lineage.py owns it)
 
 Paths are recorded absolute (from this version on), so a checkpoint reads the same from any working
-directory.
+directory; a relative one (older versions) is resolved by `resolve_recorded` when read.
 
 A file that is absent reads as "not recorded" (None); a file that is present but malformed is a
 CheckpointError naming the file.
@@ -81,6 +81,20 @@ def tokenizer_dir_of(spec: str | None) -> Path | None:
         return None
     p = Path(spec)
     return p if p.is_dir() else p.parent
+
+
+def resolve_recorded(path: str, checkpoint: Path) -> str:
+    """A path recorded in `checkpoint`, absolute. Older versions recorded paths as given (relative to the
+    working directory of the run): such a path is tried against this working directory, then against the
+    folders above the checkpoint (the run folder and its parents, one of which the run started in); the
+    first that exists wins, else it is returned resolved against this working directory."""
+    p = Path(path)
+    if p.is_absolute() or path in ("", "bytes"):
+        return path
+    for base in (Path.cwd(), *checkpoint.resolve().parents):
+        if (base / p).exists():
+            return str((base / p).resolve())
+    return str(p.resolve())
 
 
 def _read_json(path: Path) -> Any:
@@ -177,6 +191,10 @@ class CheckpointMeta:
             init_from, tokenizer, source = raw.get("init_from", ""), raw.get("tokenizer"), path
         if not isinstance(init_from, str) or (init_from and not init_from.startswith(HF_PREFIX)):
             raise CheckpointError(f"{source}: init_from {init_from!r} is not an hf:/path")
+        if init_from:
+            init_from = HF_PREFIX + resolve_recorded(init_from[len(HF_PREFIX):], d)
+        if tokenizer is not None:
+            tokenizer = resolve_recorded(tokenizer, d)
         return cls(model=model, lora=lora, init_from=init_from, tokenizer=tokenizer, lora_recorded=recorded)
 
     def require_model(self, where: str | Path) -> ModelConfig:

@@ -37,7 +37,15 @@ def run(a: argparse.Namespace, overrides: list[str]) -> int:
                              dtype=a.dtype, tokenizer_dir=a.tokenizer)
     if info["kind"] == "peft":
         print(f"wrote peft adapter to {a.out} (adapter_model.safetensors, adapter_config.json)")
-    else:
-        print(f"wrote HF model to {a.out}: {len(info['files'])} safetensors file(s), "
-              f"{info['total_size'] / 1e6:.1f} MB")
+        return 0
+    cfg = info["config"]
+    ids = ", ".join(f"{k.removesuffix('_token_id')} {cfg[k]}" for k in ("bos_token_id", "eos_token_id", "pad_token_id")
+                    if cfg.get(k) is not None)
+    print(f"wrote HF model to {a.out}: {len(info['files'])} safetensors file(s), {info['total_size'] / 1e6:.1f} MB"
+          f"{', generation_config.json' if info['generation'] else ''}; token ids: {ids or 'none known'}")
+    if info["tokenizer"] == "bytes":
+        print("no HF tokenizer written: the model was trained with shardlm's byte tokenizer (ids 0-255 are the "
+              "UTF-8 bytes, 256 is end-of-text); encode with list(text.encode()), decode with bytes(ids < 256)")
+    elif info["tokenizer"] is None:
+        print("no tokenizer written: the checkpoint records none; pass --tokenizer DIR to copy one")
     return 0

@@ -11,16 +11,21 @@ The pieces, each testable with plain inputs:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import shutil
+import socket
+import time
 from collections.abc import Iterable, Iterator, Mapping
+from glob import escape as glob_escape
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from shardlm.checkpoint.lineage import Record
 from shardlm.checkpoint.manager import METADATA
 from shardlm.checkpoint.meta import CheckpointMeta, tokenizer_dir_of
 from shardlm.checkpoint.reader import CheckpointReader
@@ -40,6 +45,13 @@ from shardlm.models.llama import ModelConfig
 
 OUT_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model")
+GENERATION_CONFIG = "generation_config.json"
+ADAPTER_FILES = ("adapter_model.safetensors", "adapter_config.json")
+# What an export folder may hold: a folder holding anything else is not replaced (it is not an export).
+EXPORT_FILES = frozenset({INDEX_FILE, "config.json", GENERATION_CONFIG, "README.md", *TOKENIZER_FILES,
+                          *ADAPTER_FILES})
+BOS_CANDIDATES = ("<|begin_of_text|>", "<s>", "<bos>", "<|startoftext|>")
+STALE_TMP_S = 24 * 3600  # another host's leftover temp folder counts as abandoned after this
 READ_BATCH_BYTES = 256 * 2**20  # checkpoint bytes read per dcp.load call (one tensor if larger)
 
 LoraPairs = Mapping[str, Mapping[str, str]]  # base weight name -> {"A": lora_A name, "B": lora_B name}
@@ -103,24 +115,202 @@ def _shard_name(i: int, n: int) -> str:
     return SINGLE_FILE if n == 1 else f"model-{i:05d}-of-{n:05d}.safetensors"
 
 
-def _copy_tokenizer(tokenizer_dir: str | os.PathLike | None, out: Path) -> list[str]:
+def tokenizer_files(tokenizer_dir: str | os.PathLike | None) -> list[str]:
+    """The tokenizer files an export copies from `tokenizer_dir` (ConfigError if it holds none)."""
     if tokenizer_dir is None:
         return []
     src = Path(tokenizer_dir)
-    copied = [n for n in TOKENIZER_FILES if (src / n).is_file()]
-    if not copied:
-        raise ConfigError(f"tokenizer folder {str(src)!r} holds none of {', '.join(TOKENIZER_FILES[:3])}")
+    found = [n for n in TOKENIZER_FILES if (src / n).is_file()]
+    if not found:
+        raise ConfigError(f"tokenizer folder {str(src)!r} holds none of {', '.join(TOKENIZER_FILES[:3])}; "
+                          "pass the folder with --tokenizer DIR")
+    return found
+
+
+def _copy_tokenizer(tokenizer_dir: str | os.PathLike | None, out: Path) -> list[str]:
+    copied = tokenizer_files(tokenizer_dir)
     for n in copied:
-        shutil.copyfile(src / n, out / n)
+        shutil.copyfile(Path(tokenizer_dir) / n, out / n)
     return copied
 
 
+# -- the output folder: written beside it, swapped in whole ------------------------------------------
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's live process
+        return True
+    return True
+
+
+def _aside(out: Path, kind: str) -> Path:
+    """`.OUT.tmp-<host>-<pid>` (being written) or `.OUT.old-<host>-<pid>` (the previous export, mid-swap)."""
+    return out.with_name(f".{out.name}.{kind}-{socket.gethostname()}-{os.getpid()}")
+
+
+def clean_leftovers(out: Path, log=print) -> None:
+    """What earlier exports to `out` left when they died: temp folders are removed, and a previous export
+    moved aside but never replaced is put back; one line each. A live export to `out` is a ConfigError."""
+    host, prefix = socket.gethostname(), f".{out.name}."
+    for p in sorted(out.parent.glob(f".{glob_escape(out.name)}.*-*")) if out.parent.is_dir() else []:
+        kind, _, rest = p.name[len(prefix):].partition("-")
+        h, _, pid = rest.rpartition("-")
+        if kind not in ("tmp", "old") or not pid.isdigit() or not h:
+            continue
+        live = _pid_alive(int(pid)) if h == host else time.time() - p.stat().st_mtime < STALE_TMP_S
+        if live:
+            raise ConfigError(f"another export to {out} is running ({h}, pid {pid}: {p.name}); wait for it, "
+                              f"or remove {p} if that process is gone")
+        if kind == "old" and not out.exists():
+            p.rename(out)
+            log(f"restored the previous export {out} (an earlier export died while replacing it)")
+        else:
+            shutil.rmtree(p, ignore_errors=True)
+            log(f"removed {p}, left by an export that died ({h}, pid {pid})")
+
+
+def check_out_dir(out: Path, keep: Iterable[Path | None] = ()) -> None:
+    """`out` may be replaced by an export: absent, empty, or holding only what an export writes, and
+    neither holding nor inside a folder the export reads (`keep`: the checkpoint, the base, the tokenizer)."""
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"{out} is a file; pass a folder for the export")
+    o = out.resolve()
+    for k in keep:
+        if k is None:
+            continue
+        k = Path(k).resolve()
+        if k == o or o in k.parents or k in o.parents:
+            raise ConfigError(f"{out} would replace or sit inside {k}, which the export reads; pass another folder")
+    if out.is_dir():
+        foreign = sorted(p.name + ("/" if p.is_dir() else "") for p in out.iterdir()
+                         if p.is_dir() or not (p.name in EXPORT_FILES or p.name.endswith(".safetensors")))
+        if foreign:
+            raise ConfigError(f"{out} holds files an export does not write ({', '.join(foreign[:3])}"
+                              f"{', ...' if len(foreign) > 3 else ''}), so it is not replaced; pass a new or "
+                              "empty folder")
+
+
+def check_free_space(out: Path, need_bytes: int) -> None:
+    """ConfigError if the filesystem of `out` has less than `need_bytes` (+5%) free (the previous export,
+    if any, stays until the new one is complete)."""
+    p = out.resolve()
+    while not p.exists():
+        p = p.parent
+    free = shutil.disk_usage(p).free
+    if free < need_bytes * 1.05:
+        raise ConfigError(f"not enough free space for the export in {p}: it needs {need_bytes / 1e9:.2f} GB, "
+                          f"{free / 1e9:.2f} GB are free")
+
+
+@contextlib.contextmanager
+def written_aside(out: Path) -> Iterator[Path]:
+    """Yield a temp folder beside `out` to write into; on success it replaces `out` whole (rename), on
+    any failure (or Ctrl-C) it is removed and `out` is as it was. A kill leaves only the temp folder,
+    which the next export's `clean_leftovers` removes."""
+    tmp = _aside(out, "tmp")
+    try:
+        tmp.mkdir(parents=True)
+    except OSError as e:
+        raise ConfigError(f"cannot write the export next to {out} ({e.strerror or e}); pass a writable folder") \
+            from None
+    try:
+        yield tmp
+    except OSError as e:  # disk full, quota, permissions: one line; the previous export stands
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise ConfigError(f"cannot write the export {out} ({e.strerror or e}); "
+                          f"{'the previous export is unchanged' if out.exists() else 'nothing was written'}") \
+            from None
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    old = _aside(out, "old") if out.exists() else None
+    if old is not None:
+        out.rename(old)
+    tmp.rename(out)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+# -- token ids: config.json and generation_config.json ------------------------------------------------
+def _token_id(vocab: Mapping[str, int], token: Any) -> int | None:
+    if isinstance(token, dict):  # tokenizer_config.json's AddedToken form
+        token = token.get("content")
+    return vocab.get(token) if isinstance(token, str) else None
+
+
+def _with_eos(eos: Any, train_eos: int | None) -> Any:
+    """`eos` (an id or a list of ids, or None) with the id the run trained as end-of-text included."""
+    if train_eos is None:
+        return eos
+    if eos is None:
+        return train_eos
+    ids = eos if isinstance(eos, list) else [eos]
+    return eos if train_eos in ids else [*ids, train_eos]
+
+
+def special_ids(base_cfg: Mapping[str, Any] | None, tokenizer_dir: Path | None, byte_tokenizer: bool) -> dict:
+    """`{"bos_token_id", "eos_token_id", "pad_token_id"}` (those known) for an exported config.json: the
+    base model's where it has them, else the tokenizer's; EOS always includes the id the run trained as
+    end-of-text (what makes `generate` stop)."""
+    ids: dict[str, Any] = {k: base_cfg[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")
+                           if base_cfg and base_cfg.get(k) is not None}
+    train_eos = None
+    if byte_tokenizer:
+        from shardlm.data.tokenizer import ByteTokenizer
+
+        train_eos = ByteTokenizer.eos_id
+    elif tokenizer_dir is not None and (tokenizer_dir / "tokenizer.json").is_file():
+        from shardlm.data.tokenizer import HFTokenizer
+
+        tok = HFTokenizer(tokenizer_dir / "tokenizer.json")
+        train_eos, vocab = tok.eos_id, tok.tok.get_vocab(with_added_tokens=True)
+        tc_path = tokenizer_dir / "tokenizer_config.json"
+        try:
+            tc = json.loads(tc_path.read_text()) if tc_path.is_file() else {}
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ConfigError(f"{tc_path}: unreadable ({type(e).__name__}: {e})") from None
+        tc = tc if isinstance(tc, dict) else {}
+        bos = _token_id(vocab, tc.get("bos_token"))
+        if bos is None:
+            bos = next((vocab[t] for t in BOS_CANDIDATES if t in vocab), None)
+        pad = _token_id(vocab, tc.get("pad_token"))
+        for k, v in (("bos_token_id", bos), ("pad_token_id", pad)):
+            if v is not None:
+                ids.setdefault(k, v)
+    eos = _with_eos(ids.get("eos_token_id"), train_eos)
+    if eos is not None:
+        ids["eos_token_id"] = eos
+    return ids
+
+
+def generation_config(base_dir: Path | None, ids: Mapping[str, Any]) -> dict[str, Any]:
+    """The base model's generation_config.json (EOS merged with `ids`'), or one made of `ids`."""
+    path = base_dir / GENERATION_CONFIG if base_dir is not None else None
+    if path is not None and path.is_file():
+        try:
+            gen = json.loads(path.read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ConfigError(f"{path}: unreadable ({type(e).__name__}: {e})") from None
+        if isinstance(gen, dict):
+            eos = ids.get("eos_token_id")
+            for e in (eos if isinstance(eos, list) else [eos] if eos is not None else []):
+                gen["eos_token_id"] = _with_eos(gen.get("eos_token_id"), e)
+            for k in ("bos_token_id", "pad_token_id"):
+                if gen.get(k) is None and ids.get(k) is not None:
+                    gen[k] = ids[k]
+            return gen
+    return dict(ids)
+
+
 def write_hf_folder(out: str | os.PathLike, shards: list[Iterable[dict[str, torch.Tensor]]],
-                    hf_cfg: Mapping[str, Any], tokenizer_dir: str | os.PathLike | None = None) -> dict[str, Any]:
+                    hf_cfg: Mapping[str, Any], tokenizer_dir: str | os.PathLike | None = None,
+                    generation: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """Write `shards` (each an iterable of tensor batches, consumed one shard at a time) as
-    `model.safetensors` or `model-0000i-of-0000n.safetensors` + the index, then config.json and the
-    tokenizer files. Existing `model*.safetensors` and the index in `out` are replaced.
-    Returns {"files", "weight_map", "total_size"}.
+    `model.safetensors` or `model-0000i-of-0000n.safetensors` + the index, then config.json,
+    generation_config.json (when `generation` is given) and the tokenizer files. Existing
+    `model*.safetensors` and the index in `out` are replaced. Returns {"files", "weight_map", "total_size"}.
     """
     from safetensors.torch import save_file
 
@@ -144,6 +334,8 @@ def write_hf_folder(out: str | os.PathLike, shards: list[Iterable[dict[str, torc
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (out / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
     (out / "config.json").write_text(json.dumps(hf_cfg, indent=2) + "\n")
+    if generation is not None:
+        (out / GENERATION_CONFIG).write_text(json.dumps(generation, indent=2) + "\n")
     _copy_tokenizer(tokenizer_dir, out)
     return {"files": files, "weight_map": weight_map, "total_size": total}
 
@@ -180,6 +372,9 @@ def export_hf(
     tokenizer_dir: str | os.PathLike | None = None,
     model_type: str | None = None,
     hf_config_overrides: Mapping[str, Any] | None = None,
+    generation: Mapping[str, Any] | None = None,
+    keep: Iterable[Path | None] = (),
+    log=print,
 ) -> dict[str, Any]:
     """Write one of our DCP checkpoints as an HF model folder `AutoModelForCausalLM.from_pretrained` reads.
 
@@ -192,7 +387,12 @@ def export_hf(
     (alpha and rank from `lora` or the checkpoint's lora_config.json) and the adapters are dropped;
     without it they are an error (use merge_lora, or export_peft_adapter for the adapters alone).
     `hf_config_overrides` patches config.json (e.g. the base model's `max_position_embeddings`, since
-    ours is the training sequence length). Returns {"files", "weight_map", "total_size", "config"}.
+    ours is the training sequence length); `generation` is written as generation_config.json.
+
+    Atomic: every check runs before a weight is written, the folder is written beside `out_dir` and
+    swapped in only when complete (a failure or kill leaves a previous export there as it was). `keep`:
+    folders `out_dir` must not replace or sit in (the checkpoint and the tokenizer always count).
+    Returns {"files", "weight_map", "total_size", "config"}.
     """
     ck = Path(checkpoint_dir)
     out_dtype = _out_dtype(dtype)
@@ -220,8 +420,14 @@ def export_hf(
     hf_cfg = config_to_hf(cfg, model_type)
     hf_cfg["torch_dtype"] = hf_cfg["dtype"] = {"bf16": "bfloat16", "fp32": "float32"}[dtype]
     hf_cfg.update(hf_config_overrides or {})
-    info = write_hf_folder(out_dir, [iter_hf_tensors(reader, s, pairs, scaling, out_dtype) for s in shards],
-                           hf_cfg, tokenizer_dir)
+    tokenizer_files(tokenizer_dir)
+    out = Path(out_dir)
+    clean_leftovers(out, log)
+    check_out_dir(out, keep=[ck, None if tokenizer_dir is None else Path(tokenizer_dir), *keep])
+    check_free_space(out, sum(math.prod(v) for v in expected.values()) * out_dtype.itemsize)
+    with written_aside(out) as tmp:
+        info = write_hf_folder(tmp, [iter_hf_tensors(reader, s, pairs, scaling, out_dtype) for s in shards],
+                               hf_cfg, tokenizer_dir, generation)
     return {**info, "config": hf_cfg}
 
 
@@ -233,12 +439,14 @@ def export_peft_adapter(
     *,
     base_model_name_or_path: str | None = None,
     dtype: str = "fp32",
+    log=print,
 ) -> dict[str, Any]:
     """The LoRA adapters of a checkpoint as a peft folder (`adapter_model.safetensors` + `adapter_config.json`),
     named and configured by shardlm.lora's `to_peft_state_dict` / `peft_adapter_config`.
 
     `lora` defaults to the checkpoint's lora_config.json; its targets default to the adapted module
-    names found in the checkpoint. Adapters are small: they are read in one go. Returns the adapter config.
+    names found in the checkpoint. Adapters are small: they are read in one go. Written atomically,
+    like `export_hf`. Returns the adapter config.
     """
     ck, out = Path(checkpoint_dir), Path(out_dir)
     out_dtype = _out_dtype(dtype)
@@ -262,42 +470,74 @@ def export_peft_adapter(
                                  base_model_name_or_path=base_model_name_or_path or "")
     from safetensors.torch import save_file
 
-    out.mkdir(parents=True, exist_ok=True)
-    save_file(sd, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
-    (out / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    clean_leftovers(out, log)
+    check_out_dir(out, keep=[ck])
+    check_free_space(out, sum(t.numel() * t.element_size() for t in sd.values()))
+    with written_aside(out) as tmp:
+        save_file(sd, str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
+        (tmp / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
     return config
+
+
+def _recorded_tokenizer(ck: Path, meta: CheckpointMeta) -> str | None:
+    """The tokenizer the run trained with: hf_source.json's, else checkpoint.json's ("bytes" or a path)."""
+    if meta.tokenizer is not None:
+        return meta.tokenizer
+    rec = Record.read(ck)
+    tok = rec.info.get("tokenizer") if rec is not None else None
+    spec = tok.get("spec") if isinstance(tok, dict) else None
+    return spec if isinstance(spec, str) and spec else None
 
 
 def export_checkpoint(checkpoint_dir: str | os.PathLike, out: str | os.PathLike, *, merge_lora: bool = False,
                       adapter_only: bool = False, dtype: str = "bf16",
-                      tokenizer_dir: str | os.PathLike | None = None) -> dict[str, Any]:
+                      tokenizer_dir: str | os.PathLike | None = None, log=print) -> dict[str, Any]:
     """`shardlm convert dcp-to-hf`: a checkpoint folder exported on its own, from its sidecar files.
 
     adapter_only: a peft adapter (its base named from the checkpoint's HF source). Otherwise an HF
     folder: refused for an adapters-only checkpoint (it has no base weights), with the base model's
-    `max_position_embeddings` (ours is the training sequence length) and the tokenizer files of
-    `tokenizer_dir` or of the tokenizer the run trained with. Returns {"kind": "peft"|"hf", ...}.
+    `max_position_embeddings` (ours is the training sequence length), BOS/EOS/PAD ids in config.json
+    and generation_config.json (the base's where it has them, else the tokenizer's; EOS always holds the
+    id the run trained as end-of-text), and the tokenizer files of `tokenizer_dir` or of the tokenizer
+    the run trained with (none for the byte tokenizer). Returns {"kind": "peft"|"hf", "tokenizer", ...}.
     """
     ck = Path(checkpoint_dir)
+    clean_leftovers(Path(out), log)  # first: a previous export a kill left aside is put back even if we fail
     if not (ck / METADATA).is_file():  # a command-line argument that names no checkpoint
         raise ConfigError(f"{ck} is not a complete shardlm checkpoint (no {METADATA}); pass a step-N directory")
+    if tokenizer_dir is not None and not Path(tokenizer_dir).exists():
+        raise ConfigError(f"--tokenizer {tokenizer_dir}: no such file or folder")
     meta = CheckpointMeta.load(ck)
     if adapter_only:
         base = str(meta.hf_dir) if meta.hf_dir is not None else None
-        return {"kind": "peft", "config": export_peft_adapter(ck, out, dtype="fp32", base_model_name_or_path=base)}
+        return {"kind": "peft", "config": export_peft_adapter(ck, out, dtype="fp32", base_model_name_or_path=base,
+                                                             log=log)}
     if meta.lora is not None and meta.lora.adapters_only:
         raise ConfigError(f"{ck} holds LoRA adapters only (lora.adapters_only): export them with --adapter-only "
                           "and load them on the base model with peft")
-    overrides = {}
-    base_config = meta.hf_dir / "config.json" if meta.hf_dir is not None else None
-    if base_config is not None and base_config.is_file():  # keep the base's context length, not our seq_len
+    base_dir = meta.hf_dir if meta.hf_dir is not None and meta.hf_dir.is_dir() else None
+    base_cfg = None
+    if base_dir is not None and (base_dir / "config.json").is_file():
         try:
-            base_cfg = json.loads(base_config.read_text())
-        except (OSError, json.JSONDecodeError) as e:
-            raise ConfigError(f"{base_config}: unreadable ({type(e).__name__}: {e})") from None
-        if "max_position_embeddings" in base_cfg:
-            overrides["max_position_embeddings"] = base_cfg["max_position_embeddings"]
-    tok = tokenizer_dir_of(str(tokenizer_dir)) if tokenizer_dir is not None else meta.tokenizer_dir
+            base_cfg = json.loads((base_dir / "config.json").read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ConfigError(f"{base_dir / 'config.json'}: unreadable ({type(e).__name__}: {e})") from None
+        base_cfg = base_cfg if isinstance(base_cfg, dict) else None
+    overrides: dict[str, Any] = {}
+    if base_cfg and "max_position_embeddings" in base_cfg:  # keep the base's context length, not our seq_len
+        overrides["max_position_embeddings"] = base_cfg["max_position_embeddings"]
+    if tokenizer_dir is not None:
+        spec: str | None = str(tokenizer_dir)
+    else:
+        spec = _recorded_tokenizer(ck, meta)
+        if spec not in (None, "bytes") and not Path(spec).exists():
+            raise ConfigError(f"{ck} was trained with the tokenizer {spec}, which is not there any more; pass its "
+                              "folder with --tokenizer DIR")
+    byte_tokenizer = spec == "bytes"
+    tok = tokenizer_dir_of(spec)
+    ids = special_ids(base_cfg, tok, byte_tokenizer)
+    overrides.update(ids)
+    gen = generation_config(base_dir, ids) if ids or base_dir is not None else None
     info = export_hf(ck, out, dtype=dtype, merge_lora=merge_lora, tokenizer_dir=tok,
-                     hf_config_overrides=overrides or None)
-    return {"kind": "hf", **info}
+                     hf_config_overrides=overrides or None, generation=gen, keep=[base_dir], log=log)
+    return {"kind": "hf", "tokenizer": "bytes" if byte_tokenizer else tok, "generation": gen is not None, **info}
