@@ -49,9 +49,13 @@ def test_torchrun_two_ranks_trains_and_writes_outputs(tmp_path, corpus):
 
 
 def test_single_process_run(tmp_path, corpus):
-    p = _run(["train", "--config", DEBUG, *_small(tmp_path, corpus), "--train.steps=4", "--metrics.log_every=2"])
+    # The debug config's mixed_precision is `auto`: fp32 on this CPU, said at startup. An empty sample
+    # prompt starts the sample from end-of-text (it used to be a traceback).
+    p = _run(["train", "--config", DEBUG, *_small(tmp_path, corpus), "--train.steps=4", "--metrics.log_every=2",
+              "--train.sample_tokens=5", "--train.sample_prompt="])
     assert p.returncode == 0, p.stderr[-3000:]
     assert len((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()) == 2
+    assert "fp32 (train.mixed_precision=auto on cpu)" in p.stdout + p.stderr and "sample:" in p.stdout + p.stderr
 
 
 @pytest.mark.parametrize("override, needle", [
