@@ -165,7 +165,7 @@ class MetricsSection:
 
 @dataclass
 class CheckpointSection:
-    interval: int = _f(0, "Save a checkpoint every N steps; 0 = only at the end (and on SIGTERM).")
+    interval: int = _f(0, "Save a checkpoint every N steps; 0 = only at the end (and on SIGTERM or Ctrl-C).")
     keep_last: int = _f(3, "Keep the newest N complete checkpoints, prune older ones; 0 = keep all.")
     async_: bool = _f(False, "Save with DCP async_save: training goes on while the checkpoint is written "
                       "(from a copy taken at the step, over a gloo group of its own).", key="async")
@@ -179,8 +179,9 @@ class CheckpointSection:
         "checkpoint's model shape, LoRA setup and tokenizer with the run's and stops, naming each difference, "
         "unless the field is listed here.")
     preempt_grace_s: float = _f(
-        25.0, "On SIGTERM every rank finishes its step, saves and exits 0; past this many seconds it gives up "
-        "(exit 1) and the last complete checkpoint stands. Keep it under the launcher's kill timeout.")
+        25.0, "On SIGTERM or Ctrl-C every rank finishes its step, saves and exits 0 (Ctrl-C: 130); past this many "
+        "seconds it gives up (exit 1; Ctrl-C: 130) and the last complete checkpoint stands. Keep it under "
+        "the launcher's kill timeout.")
 
 
 @dataclass

@@ -43,6 +43,13 @@ class PlanError(ShardlmError):
     exit_code = 7
 
 
+class Interrupted(ShardlmError):
+    """Ctrl-C (SIGINT): `interrupted at step N; last complete checkpoint step-M`, printed as
+    `shardlm: <that>` (not as an error)."""
+
+    exit_code = 130
+
+
 PLAN_DOES_NOT_FIT = 3  # `shardlm plan`'s exit code when the config does not fit (not an error)
 
 EXIT_CODES = {0: "success (`shardlm plan`: the config fits)", 1: "other shardlm error",
@@ -51,4 +58,4 @@ EXIT_CODES = {0: "success (`shardlm plan`: the config fits)", 1: "other shardlm 
               DataError.exit_code: "unusable training data or tokenizer",
               CheckpointError.exit_code: "checkpoint missing, incomplete, unreadable or mismatched",
               TrainingError.exit_code: "non-finite loss/gradients (train.nonfinite) or too many skipped steps",
-              PlanError.exit_code: "the planner cannot run here", 130: "interrupted (Ctrl-C)"}
+              PlanError.exit_code: "the planner cannot run here", Interrupted.exit_code: "interrupted (Ctrl-C)"}

@@ -1,5 +1,5 @@
 """Fault injection through the real CLI: SIGKILL a rank under torchrun --max-restarts, SIGTERM
-(preemption), and a kill in the middle of a save."""
+(preemption) and Ctrl-C, to one process and to torchrun, and a kill in the middle of a save."""
 
 from __future__ import annotations
 
@@ -92,36 +92,97 @@ def test_sigkill_one_rank_restarts_and_matches_uninterrupted(tmp_path, corpus):
     assert [r["loss"] for r in recs] == [r["loss"] for r in ref_recs]
 
 
-def test_sigterm_saves_and_exits_zero(tmp_path, corpus):
-    run = tmp_path / "pre"
-    p = _start(_cmd(_args(tmp_path, corpus, "pre", 10_000)), tmp_path / "pre.log")
+def _signalled(tmp: Path, corpus: Path, name: str, nproc: int, send, **extra) -> tuple[int, str, list[int]]:
+    """Start a long run, `send(p)` once 3 steps are logged; (exit code, log, complete checkpoint steps)."""
+    run = tmp / name
+    p = _start(_cmd(_args(tmp, corpus, name, 10_000, **extra), nproc=nproc), tmp / f"{name}.log")
     try:
         _wait_for(lambda: len(_records(run)) >= 3)
-        p.send_signal(signal.SIGTERM)
-        assert p.wait(timeout=60) == 0
+        send(p)
+        code = p.wait(timeout=60)
     finally:
         if p.poll() is None:
             os.killpg(p.pid, signal.SIGKILL)
-    log = (tmp_path / "pre.log").read_text()
     saved = sorted(int(c.name.split("-")[1]) for c in (run / "checkpoints").glob("step-*"))
+    return code, (tmp / f"{name}.log").read_text(), saved
+
+
+def _no_worker_traceback(log: str) -> None:
+    """torchrun may print its own traceback (SignalException); no frame of shardlm's, no KeyboardInterrupt."""
+    frames = [line for line in log.splitlines() if line.strip().startswith('File "') and "shardlm" in line]
+    assert not frames and "KeyboardInterrupt" not in log, log[-3000:]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["sigterm", "ctrl_c"])
+def test_signal_saves_and_exits(tmp_path, corpus, sig):
+    """One process: SIGTERM -> save, exit 0; Ctrl-C -> save, exit 130 and one line."""
+    code, log, saved = _signalled(tmp_path, corpus, "one", 0, lambda p: p.send_signal(sig))
     assert len(saved) == 1 and saved[0] >= 3, saved
+    if sig == signal.SIGTERM:
+        assert code == 0, log[-3000:]
+        assert f"preempted (SIGTERM): checkpoint at step {saved[0]} saved" in log
+    else:
+        assert code == 130, log[-3000:]
+        assert log.splitlines()[-1] == f"shardlm: interrupted at step {saved[0]}; last complete checkpoint step-{saved[0]}"
+        assert "preempted (SIGTERM)" not in log
+        _no_worker_traceback(log)
+
+
+def test_sigterm_to_torchrun_saves_every_rank_and_torchrun_exits_1(tmp_path, corpus):
+    # What Kubernetes does: SIGTERM to the launcher, which forwards it to the ranks. The ranks save
+    # and exit 0; torchrun itself re-raises the signal as SignalException: a traceback and exit 1.
+    code, log, saved = _signalled(tmp_path, corpus, "pre2", 2, lambda p: p.send_signal(signal.SIGTERM))
+    assert code == 1, log[-3000:]
+    assert len(saved) == 1, saved
     assert f"preempted (SIGTERM): checkpoint at step {saved[0]} saved" in log
+    assert "exitcode" not in log  # torchrun reports no worker failure: they exited 0
+    _no_worker_traceback(log)
 
 
-def test_sigterm_to_torchrun_checkpoints_every_rank(tmp_path, corpus):
-    run = tmp_path / "pre2"
-    p = _start(_cmd(_args(tmp_path, corpus, "pre2", 10_000), nproc=2), tmp_path / "pre2.log")
+def test_ctrl_c_to_torchrun_saves_and_prints_one_line(tmp_path, corpus):
+    # Ctrl-C in a terminal: SIGINT to the foreground process group. torchrun's workers have sessions
+    # of their own, so only torchrun gets it and forwards SIGINT to each of them.
+    code, log, saved = _signalled(tmp_path, corpus, "int2", 2, lambda p: os.killpg(p.pid, signal.SIGINT))
+    assert code == 1, log[-3000:]  # torchrun's own exit code (SignalException); the ranks exit 130
+    assert len(saved) == 1, saved
+    line = f"shardlm: interrupted at step {saved[0]}; last complete checkpoint step-{saved[0]}"
+    assert [x for x in log.splitlines() if x.startswith("shardlm: interrupted")] == [line], log[-3000:]
+    assert "preempted (SIGTERM)" not in log
+    _no_worker_traceback(log)
+
+
+@pytest.mark.parametrize("nproc", [0, 2], ids=["one_process", "torchrun"])
+def test_second_ctrl_c_drops_the_save_in_flight(tmp_path, corpus, nproc):
+    """A second Ctrl-C while the stop's checkpoint is written ends at once, the last complete one named.
+    Under torchrun it arrives as SIGTERM: torchrun answers a second SIGINT by sending its workers SIGTERM."""
+    big = {"model.dim": 512, "model.n_heads": 4, "model.n_kv_heads": 2, "model.ffn_dim": 2048,
+           "checkpoint.interval": 2, "checkpoint.keep_last": 0}  # ~16M params: a save takes a moment
+    ckdir = tmp_path / "twice" / "checkpoints"
+    p = _start(_cmd(_args(tmp_path, corpus, "twice", 10_000, **big), nproc=nproc), tmp_path / "twice.log")
     try:
-        _wait_for(lambda: len(_records(run)) >= 3)
-        p.send_signal(signal.SIGTERM)  # what Kubernetes does: the launcher forwards it to the ranks
-        p.wait(timeout=60)
+        _wait_for(lambda: (ckdir / "step-2").is_dir())
+        _wait_for(lambda: not list(ckdir.glob(".step-*.partial")), every=0.002)
+        os.killpg(p.pid, signal.SIGINT)
+        _wait_for(lambda: list(ckdir.glob(".step-*.partial")), every=0.002)  # the next save is being written
+        os.killpg(p.pid, signal.SIGINT)
+        t0 = time.monotonic()
+        code = p.wait(timeout=30)
+        took = time.monotonic() - t0
     finally:
         if p.poll() is None:
             os.killpg(p.pid, signal.SIGKILL)
-    log = (tmp_path / "pre2.log").read_text()
-    (ck,) = (run / "checkpoints").glob("step-*")
-    assert f"preempted (SIGTERM): checkpoint at step {ck.name.split('-')[1]} saved" in log
-    assert "exitcode" not in log  # torchrun reports no worker failure: they exited 0
+    log = (tmp_path / "twice.log").read_text()
+    assert code == (130 if nproc == 0 else 1), log[-3000:]
+    assert took < 5, took
+    complete = sorted(int(c.name.split("-")[1]) for c in ckdir.glob("step-*"))
+    (partial,) = ckdir.glob(".step-*.partial")
+    dropped = int(partial.name.split("-")[1].split(".")[0])
+    assert dropped not in complete and dropped > complete[-1], (complete, partial)
+    lines = [x for x in log.splitlines() if x.startswith("shardlm: interrupted")]
+    line = (f"shardlm: interrupted at step {dropped}; last complete checkpoint step-{complete[-1]} "
+            "(a second Ctrl-C: the save in progress was dropped)")
+    assert lines == [line], log[-3000:]
+    _no_worker_traceback(log)
 
 
 def test_kill_during_save_keeps_the_previous_checkpoint(tmp_path, corpus):

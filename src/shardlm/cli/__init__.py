@@ -5,7 +5,7 @@ argparse does not know (`--section.key=value` config overrides, from `parse_know
 
 Every user error (a `ShardlmError`, argparse usage errors included, as `ConfigError`) is one line
 `shardlm: error: ...` on stderr (rank 0) and in torchrun's error file, and the exit code is the
-error type's (`shardlm.errors`).
+error type's (`shardlm.errors`). Ctrl-C is one line `shardlm: interrupted ...` and exit 130.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import sys
 
 from shardlm import __version__
 from shardlm.cli import convert, debug_assets, plan, presets, train
-from shardlm.errors import EXIT_CODES, ConfigError, ShardlmError
+from shardlm.errors import EXIT_CODES, ConfigError, Interrupted, ShardlmError
 
 # name -> (module, one-line help), in the order `shardlm --help` lists them
 COMMANDS = {
@@ -104,11 +104,15 @@ def main(argv: list[str] | None = None) -> int:
         return module.run(args, overrides)
     except _Exit as e:
         return e.status
+    except Interrupted as e:  # Ctrl-C in training: the trainer saved (or says what stands)
+        _report(f"shardlm: {e}")
+        return e.exit_code
     except ShardlmError as e:
         _report(f"shardlm: error: {e}")
         return e.exit_code
-    except KeyboardInterrupt:
-        return 130
+    except KeyboardInterrupt:  # Ctrl-C anywhere else: nothing to save
+        _report("shardlm: interrupted")
+        return Interrupted.exit_code
 
 
 __all__ = ["COMMANDS", "Parser", "build_parser", "main"]

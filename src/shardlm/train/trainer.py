@@ -16,13 +16,13 @@ from torch.distributed.tensor import DTensor
 from shardlm._torch_compat import float8_linear_class
 from shardlm.build import build_model, build_model_config, uses_fp8_all_gather
 from shardlm.checkpoint import Checkpointer
-from shardlm.checkpoint.lineage import tokenizer_fingerprint
+from shardlm.checkpoint.lineage import current_lineage, tokenizer_fingerprint
 from shardlm.checkpoint.meta import CheckpointMeta
 from shardlm.config import Config
 from shardlm.data import build_loader, load_tokenizer, resolve_files
 from shardlm.data.loader import IGNORE_INDEX
 from shardlm.distributed.env import init_distributed, launched_world_size, restart_store_warning, shutdown_distributed
-from shardlm.errors import ConfigError, TrainingError
+from shardlm.errors import ConfigError, Interrupted, TrainingError
 from shardlm.generate import generate, prompt_ids
 from shardlm.observe.metrics import MetricsLogger, Throughput, peak_flops, read_and_reset_peak_memory_gib
 from shardlm.parallel.dims import ParallelDims, dp_rank
@@ -39,7 +39,8 @@ from shardlm.train.step import Batch, forward_backward
 class StepResult:
     loss: torch.Tensor  # this rank's share of the global mean loss (all-reduce to get it)
     grad_norm: float  # global, before clipping
-    stop: bool  # some rank was asked to stop (SIGTERM)
+    stop: bool  # some rank was asked to stop (SIGTERM or Ctrl-C)
+    interrupted: bool  # ... by Ctrl-C: the run ends with exit 130, not 0
     nonfinite: str | None  # what went bad (the update was not applied), or None
 
 
@@ -74,8 +75,9 @@ class Trainer:
         self.files = resolve_files(cfg.data.path)
         self.env = init_distributed(cfg.train.device)
         self.is_rank0 = self.env.rank == 0
-        # From here on a SIGTERM is a request to checkpoint and stop, honoured after the next step.
-        self.preemption = Preemption(cfg.checkpoint.preempt_grace_s, self.log)
+        # From here on a SIGTERM is a request to checkpoint and stop, honoured after the next step
+        # (and so is Ctrl-C, during the training loop).
+        self.preemption = Preemption(cfg.checkpoint.preempt_grace_s, self.log, self.interrupted_line, self.is_rank0)
         if self.is_rank0:
             for warning in [*warnings, restart_store_warning()]:
                 if warning:
@@ -88,6 +90,7 @@ class Trainer:
             self.build()
         except BaseException:
             self.release_locks()  # a start that failed leaves the folder free for the next one
+            self.preemption.uninstall()
             raise
 
     def build(self) -> None:
@@ -209,8 +212,11 @@ class Trainer:
 
     @property
     def checkpoint_dir(self) -> Path:
-        c = self.cfg.checkpoint
-        return Path(c.dir) if c.dir else self.output_dir / "checkpoints"
+        return checkpoint_dir(self.cfg)
+
+    def interrupted_line(self) -> str:
+        """`interrupted at step N; last complete checkpoint step-M`: where a Ctrl-C leaves the run."""
+        return f"interrupted at step {self.step}; {last_checkpoint(self.checkpoint_dir)}"
 
     def log(self, line: str) -> None:
         """A line on rank 0 (through the progress bar once there is one)."""
@@ -241,15 +247,17 @@ class Trainer:
 
         Before the optimizer runs, the guard: the local loss sum rides on the grad-norm all-reduce,
         so a NaN/inf loss or gradient on any rank makes the norm non-finite on every rank, and all
-        of them skip (or stop) together. A rank's stop request (SIGTERM) rides on the token-count
-        all-reduce, so all ranks stop after the same step.
+        of them skip (or stop) together. A rank's stop request (SIGTERM, Ctrl-C) rides on the
+        token-count all-reduce, so all ranks stop after the same step.
         """
         t = self.cfg.train
         # Counted on the host and reduced over gloo (the process group has a CPU backend on GPUs
         # too): no device sync, and the scale is a plain float.
-        counts = torch.tensor([float(sum(int((y != IGNORE_INDEX).sum()) for _, y in batches)), float(stop_requested)])
+        ctrl_c = stop_requested and self.preemption.interrupted
+        counts = torch.tensor([float(sum(int((y != IGNORE_INDEX).sum()) for _, y in batches)), float(stop_requested),
+                               float(ctrl_c)])
         dist.all_reduce(counts)
-        n_tokens, stop = counts.tolist()
+        n_tokens, stop, ctrl_c = counts.tolist()
         loss_sum = forward_backward(self.model, batches, self.dims.dp / n_tokens, self.env.device, t.grad_sync,
                                     self.dims.hsdp)
         norm = clip_grad_norm_(self.params, t.grad_clip, flag=loss_sum)
@@ -261,7 +269,7 @@ class Trainer:
                 precompute_fp8_scales(self.model)
             self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return StepResult(loss_sum / n_tokens, grad_norm, stop > 0, bad)
+        return StepResult(loss_sum / n_tokens, grad_norm, stop > 0, ctrl_c > 0, bad)
 
     def on_nonfinite(self, bad: str) -> None:
         """train.nonfinite: stop with one line, or count the skip (and stop after too many in a row)."""
@@ -280,7 +288,8 @@ class Trainer:
                                 f"{t.max_skipped_steps}); the last checkpoint stands. Lower train.lr or check the data")
 
     def train(self) -> list[dict]:
-        """Run to train.steps optimizer steps (or until SIGTERM); returns the records logged by this process."""
+        """Run to train.steps optimizer steps (or until SIGTERM or Ctrl-C); returns the records logged by this
+        process. A Ctrl-C ends with `Interrupted` once the checkpoint is saved."""
         t, log_every = self.cfg.train, self.cfg.metrics.log_every
         tokens_per_step = self.loader.global_batch * self.cfg.data.seq_len
         meter = Throughput(self.model_cfg.flops_per_token(self.cfg.data.seq_len), peak_flops(self.env.device),
@@ -289,17 +298,18 @@ class Trainer:
         if self.step >= t.steps:
             self.log(f"nothing to do: the checkpoint is at step {self.step} and train.steps={t.steps}; "
                      "raise train.steps to train further")
-        records, start, stopped = [], time.perf_counter(), False
+        records, start, stopped, interrupted = [], time.perf_counter(), False, False
         self.checkpointer.info["schedule"] = {"steps": t.steps, "anchor": self.scheduler.anchor}
+        self.preemption.catch_ctrl_c()  # from here to the end of the loop, Ctrl-C saves and stops
         while self.step < t.steps and not stopped:
             lr = self.scheduler.get_last_lr()[0]
             res = self.train_step(self.loader.next_step(), self.preemption.requested)
-            stopped = res.stop
+            stopped, interrupted = res.stop, res.interrupted
             meter.add(tokens_per_step)
             self.checkpointer.poll()
             if res.nonfinite is not None:
                 self.on_nonfinite(res.nonfinite)
-                if stopped:  # SIGTERM during a skipped step: checkpoint what there is
+                if stopped:  # a stop request during a skipped step: checkpoint what there is
                     self.save(blocking=True)
                 continue
             self.skipped_in_row = 0
@@ -321,9 +331,14 @@ class Trainer:
             if save_now:
                 self.save(final=self.step == t.steps, blocking=stopped)
         self.checkpointer.wait()
-        if stopped:
+        self.preemption.release_ctrl_c()
+        if stopped and not interrupted:
             self.log(f"preempted (SIGTERM): checkpoint at step {self.step} saved; exiting cleanly")
         self.finish(records, time.perf_counter() - start, sample=not stopped)
+        if stopped and interrupted:
+            if dist.is_initialized():
+                dist.barrier()  # rank 0 has published the checkpoint: every rank's line names it
+            raise Interrupted(self.interrupted_line())
         return records
 
     def announce(self, tokens_per_step: int) -> None:
@@ -383,12 +398,27 @@ class Trainer:
         shutdown_distributed()
 
 
+def checkpoint_dir(cfg: Config) -> Path:
+    """checkpoint.dir, or <train.output_dir>/checkpoints."""
+    c = cfg.checkpoint
+    return Path(c.dir) if c.dir else Path(cfg.train.output_dir) / "checkpoints"
+
+
+def last_checkpoint(folder: Path) -> str:
+    """`last complete checkpoint step-M` (the one resume=auto takes), or `no checkpoint saved`."""
+    done = current_lineage(folder)
+    return f"last complete checkpoint {done[0].name}" if done else "no checkpoint saved"
+
+
 def train(cfg: Config) -> list[dict]:
     """Build a Trainer from `cfg`, run it to the end and release everything, also after an error."""
     trainer = None
     try:
         trainer = Trainer(cfg)
         return trainer.train()
+    except KeyboardInterrupt:  # Ctrl-C outside the loop (setup, the final sample): nothing to finish
+        where = f"at step {trainer.step}" if trainer is not None else "during setup"
+        raise Interrupted(f"interrupted {where}; {last_checkpoint(checkpoint_dir(cfg))}") from None
     finally:
         if trainer is not None:
             trainer.close()
