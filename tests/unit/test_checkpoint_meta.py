@@ -130,3 +130,20 @@ def test_resume_check_sees_a_changed_tokenizer_and_targets_order_is_not_a_change
     _checker(swapped).check(ck)
     with pytest.raises(ConfigError, match=r"checkpoint.allow_changed: unknown field\(s\) lora.colour; valid: "):
         _checker(load_config(None, ["--checkpoint.allow_changed=lora.colour"]))
+
+
+def test_a_save_that_died_mid_swap_gets_its_checkpoint_back(tmp_path):
+    """Re-saving step N moves step-N aside as .step-N.replaced, then renames the new one in: a death
+    between the two renames must not lose the complete checkpoint (the next start used to delete it)."""
+    from shardlm.checkpoint.manager import remove_partials
+
+    (tmp_path / ".step-4.replaced").mkdir()
+    (tmp_path / ".step-4.replaced" / ".metadata").write_text("complete")
+    (tmp_path / ".step-6.partial").mkdir()
+    (tmp_path / "step-2").mkdir()
+    (tmp_path / ".step-2.replaced").mkdir()  # the swap finished: the old copy is only leftover
+    said = []
+    remove_partials(tmp_path, said.append)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-2", "step-4"]
+    assert (tmp_path / "step-4" / ".metadata").read_text() == "complete"
+    assert len(said) == 3 and any("restored step-4" in s for s in said)

@@ -103,6 +103,22 @@ class SafeLoadPlanner(DefaultLoadPlanner):
             self.state_dict[read_item.dest_index.fqn] = obj
 
 
+def remove_partials(folder: Path, log) -> None:
+    """What unfinished saves left in `folder`: `.step-N.partial` is removed; `.step-N.replaced` (a complete
+    checkpoint moved aside while a re-save of step N was swapped in) is put back if `step-N` is missing
+    (the process died between the two renames), else removed. One line each."""
+    if not folder.is_dir():
+        return
+    for p in sorted(folder.glob(".step-*")):
+        final = folder / p.name[1:].removesuffix(".replaced")
+        if p.name.endswith(".replaced") and not final.exists():
+            p.rename(final)
+            log(f"checkpoint: restored {final.name} (a re-save of it died while replacing it)")
+            continue
+        log(f"checkpoint: removing incomplete {p.name} (a save that did not finish)")
+        shutil.rmtree(p, ignore_errors=True)
+
+
 class Checkpointer:
     """Owns what a checkpoint holds and when one is written.
 
@@ -142,10 +158,7 @@ class Checkpointer:
 
     # -- finding -----------------------------------------------------------------------------------
     def remove_partials(self) -> None:
-        if self.folder.is_dir():
-            for p in self.folder.glob(".step-*"):
-                self.log(f"checkpoint: removing incomplete {p.name} (a save that did not finish)")
-                shutil.rmtree(p, ignore_errors=True)
+        remove_partials(self.folder, self.log)
 
     def resume_candidates(self) -> list[Path]:
         """What to try loading, best first: the named path, or (auto) the complete ones newest first."""
