@@ -1,11 +1,16 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+import time
 
 import numpy as np
 import pytest
 
 from shardlm.data import PackedLoader, build_packed_loader, load_tokenizer, resolve_files
+from shardlm.data import loader as loader_module
 from shardlm.data.sources import builtin_files, iter_documents
 from shardlm.data.tokenizer import ByteTokenizer
 from shardlm.errors import ConfigError, DataError
@@ -25,10 +30,27 @@ def test_sources_txt_jsonl_and_bad_utf8(tmp_path, capsys):
     files = resolve_files(str(tmp_path))
     assert [f.name for f in files] == ["a.txt", "b.jsonl", "c.txt"]
     assert list(iter_documents(files, "body")) == ["hello", "one", "two"]
-    err = capsys.readouterr().err
-    assert "warning: skipping" in err and "c.txt: not valid UTF-8" in err
+    assert capsys.readouterr().err == (f"shardlm: warning: skipped 1 file that is not valid UTF-8 in data.path: "
+                                       f"{tmp_path / 'c.txt'} (invalid start byte at byte 0)\n")
     with pytest.raises(DataError, match=r"b.jsonl:1: no string field 'text'"):
         list(iter_documents(files, "text"))
+
+
+def test_stdlib_files_that_are_not_utf8_are_one_line(tmp_path, monkeypatch, capsys):
+    """`make demo` opens with one note, not a warning per file (a few stdlib test files are Latin-1)."""
+    monkeypatch.setattr("shardlm.data.sources.stdlib_dir", lambda: tmp_path)
+    (tmp_path / "test").mkdir()
+    for name in ("a.py", "b.py", "test/c.py", "test/d.py", "test/e.py"):
+        (tmp_path / name).write_bytes(b"# \xe9t\xe9\n")
+    (tmp_path / "ok.py").write_text("x = 1\n")
+    assert list(iter_documents(builtin_files(), "text")) == ["x = 1\n"]
+    assert capsys.readouterr().err == ("shardlm: stdlib corpus: skipped 5 files that are not UTF-8 "
+                                       "(a.py, b.py, test/c.py, test/d.py, and 1 more)\n")
+
+
+def test_the_real_stdlib_corpus_says_at_most_one_line(capsys):
+    assert sum(1 for _ in iter_documents(builtin_files(), "text")) > 100
+    assert len(capsys.readouterr().err.splitlines()) <= 1
 
 
 def test_missing_and_empty_paths_are_clear(tmp_path):
@@ -65,6 +87,39 @@ def test_token_file_is_documents_with_eos_and_cached(tmp_path):
     cached = sorted((tmp_path / "cache").iterdir())
     build_packed_loader(files, ByteTokenizer(), "text", tmp_path / "cache", **_loader_kwargs(seq_len=2))
     assert sorted((tmp_path / "cache").iterdir()) == cached  # reused, not rebuilt
+
+
+def test_partial_token_files_of_dead_writers_are_removed_live_ones_kept(tmp_path, capsys):
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    here, key, day = loader_module._writer_host(), "0123456789abcdef01234567", loader_module.PARTIAL_STALE_S
+    crashed = cache / f".{key}.{here}.{dead.pid}.tmp"  # this host, pid gone
+    live = cache / f".{key}.{here}.{os.getpid()}.tmp"  # this host, writing now
+    elsewhere = cache / f".{key}.node-7.1234.tmp"  # another host, written to a minute ago
+    elsewhere_old = cache / f".{key}.node-8.1234.tmp"  # another host, untouched for a day
+    unnamed_old = cache / f".{key}.4321.tmp"  # the old name, without a host
+    for f in (crashed, live, elsewhere, elsewhere_old, unnamed_old):
+        f.write_bytes(b"\0" * 10)
+    for f, age in ((elsewhere, 60), (elsewhere_old, day + 60), (unnamed_old, day + 60)):
+        os.utime(f, (time.time() - age,) * 2)
+    (tmp_path / "d.txt").write_text("abc")
+    files = resolve_files(str(tmp_path / "d.txt"))
+    build_packed_loader(files, ByteTokenizer(), "text", cache, **_loader_kwargs(seq_len=2))
+    assert capsys.readouterr().err == (f"shardlm: data cache: removed 3 partial tokenisation files left by crashed "
+                                       f"runs in {cache}\n")
+    assert {f.name for f in cache.glob(".*")} == {live.name, elsewhere.name}
+    build_packed_loader(files, ByteTokenizer(), "text", cache, **_loader_kwargs(seq_len=2))
+    assert capsys.readouterr().err == ""  # nothing left to remove: no line
+
+
+def test_a_failed_tokenisation_leaves_no_partial_file(tmp_path):
+    (tmp_path / "d.jsonl").write_text('{"text": "ab"}\nnot json\n')
+    with pytest.raises(DataError, match="not valid JSON"):
+        build_packed_loader(resolve_files(str(tmp_path)), ByteTokenizer(), "text", tmp_path / "cache",
+                            **_loader_kwargs())
+    assert list((tmp_path / "cache").iterdir()) == []
 
 
 def _samples(loader: PackedLoader, steps: int) -> list[list[tuple]]:

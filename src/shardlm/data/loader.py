@@ -11,6 +11,10 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
+import socket
+import sys
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -58,19 +62,76 @@ def _encode_all(docs, tokenizer: Tokenizer, dtype: np.dtype, out) -> tuple[int, 
 
 
 def build_token_file(files: list[Path], tokenizer: Tokenizer, text_field: str, cache_dir: Path) -> Path:
-    """Tokenise `files` into `<cache_dir>/<key>.bin` (written under a temporary name, then renamed)."""
+    """Tokenise `files` into `<cache_dir>/<key>.bin`: written as `.<key>.<host>.<pid>.tmp`, then renamed
+    (a failure removes it; what a crash leaves, the next build removes: `remove_partial_files`)."""
     cache_dir.mkdir(parents=True, exist_ok=True)
+    if removed := remove_partial_files(cache_dir):
+        what = "1 partial tokenisation file left by a crashed run" if removed == 1 else \
+            f"{removed} partial tokenisation files left by crashed runs"
+        print(f"shardlm: data cache: removed {what} in {cache_dir}", file=sys.stderr, flush=True)
     key = cache_key(files, tokenizer, text_field)
     path = cache_dir / f"{key}.bin"
     if path.exists():
         return path
     dtype = _token_dtype(tokenizer.vocab_size)
-    tmp = cache_dir / f".{key}.{os.getpid()}.tmp"
-    with open(tmp, "wb") as out:
-        n_docs, n_tok = _encode_all(iter_documents(files, text_field), tokenizer, dtype, out)
+    tmp = cache_dir / f".{key}.{_writer_host()}.{os.getpid()}.tmp"
+    try:
+        with open(tmp, "wb") as out:
+            n_docs, n_tok = _encode_all(iter_documents(files, text_field), tokenizer, dtype, out)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     (cache_dir / f"{key}.json").write_text(json.dumps({"dtype": dtype.name, "documents": n_docs, "tokens": n_tok}))
     os.replace(tmp, path)
     return path
+
+
+PARTIAL_STALE_S = 24 * 3600  # a partial file from another host untouched this long is a crash's
+_PARTIAL = re.compile(r"\.[0-9a-f]+\.(?:(?P<host>.+)\.)?(?P<pid>\d+)\.tmp")
+
+
+def _writer_host() -> str:
+    """This machine in partial-file names: the hostname, plus the pid namespace where Linux tells it
+    (containers with host networking share a hostname, not their pids)."""
+    host = re.sub(r"[^A-Za-z0-9_.-]", "_", socket.gethostname())
+    try:
+        return f"{host}-pidns{re.sub(r'[^0-9]', '', os.readlink('/proc/self/ns/pid'))}"
+    except OSError:
+        return host
+
+
+def remove_partial_files(cache_dir: Path) -> int:
+    """Remove the partial token files that crashed builds left in `cache_dir`; returns how many.
+
+    One from this host goes when its pid is dead; one from another host (or without a host in its
+    name) when it has not been written to for PARTIAL_STALE_S. A live writer's file stays: on this
+    host its pid is alive, elsewhere it keeps changing as it is written."""
+    now, here, removed = time.time(), _writer_host(), 0
+    for f in cache_dir.glob(".*.tmp"):
+        m = _PARTIAL.fullmatch(f.name)
+        if m is None:
+            continue
+        try:
+            if m["host"] == here:
+                stale = not _pid_alive(int(m["pid"]))
+            else:
+                stale = now - f.stat().st_mtime > PARTIAL_STALE_S
+            if stale:
+                f.unlink()
+                removed += 1
+        except FileNotFoundError:  # another machine's build removed it first
+            continue
+    return removed
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except (ProcessLookupError, OverflowError):
+        return False
+    except PermissionError:  # alive, another user's
+        return True
+    return True
 
 
 def open_token_file(path: Path) -> tuple[np.ndarray, dict]:

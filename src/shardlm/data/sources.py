@@ -60,14 +60,15 @@ def resolve_files(spec: str) -> list[Path]:
 def iter_documents(files: list[Path], text_field: str) -> Iterator[str]:
     """Documents in order: a .txt (or built-in .py) file is one; a .jsonl line is one.
 
-    Files that are not valid UTF-8 are skipped with a warning; a .jsonl line that is not JSON or
-    lacks `text_field` is an error naming the file and line.
+    Files that are not valid UTF-8 are skipped, summed up in one line at the end (`skipped_line`); a
+    .jsonl line that is not JSON or lacks `text_field` is an error naming the file and line.
     """
+    skipped: list[tuple[Path, str]] = []
     for f in files:
         try:
             text = f.read_bytes().decode("utf-8")
         except UnicodeDecodeError as e:
-            print(f"shardlm: warning: skipping {f}: not valid UTF-8 ({e.reason} at byte {e.start})", file=sys.stderr)
+            skipped.append((f, f"{e.reason} at byte {e.start}"))
             continue
         if f.suffix != ".jsonl":
             if text:
@@ -85,3 +86,19 @@ def iter_documents(files: list[Path], text_field: str) -> Iterator[str]:
                 raise DataError(f"{f}:{lineno}: no string field {text_field!r}; set data.text_field")
             if value:
                 yield value
+    if skipped:
+        print(skipped_line(skipped), file=sys.stderr, flush=True)
+
+
+def skipped_line(skipped: list[tuple[Path, str]], shown: int = 4) -> str:
+    """One line for the files that are not UTF-8: a note for the stdlib's own (a few of its test files
+    are Latin-1 or broken on purpose), a warning for the user's files, with the first `shown` named."""
+    n = len(skipped)
+    files = f"{n} file that is" if n == 1 else f"{n} files that are"
+    more = f", and {n - shown} more" if n > shown else ""
+    root = stdlib_dir()
+    if all(f.is_relative_to(root) for f, _ in skipped):
+        names = ", ".join(str(f.relative_to(root)) for f, _ in skipped[:shown])
+        return f"shardlm: stdlib corpus: skipped {files} not UTF-8 ({names}{more})"
+    names = ", ".join(f"{f} ({why})" for f, why in skipped[:shown])
+    return f"shardlm: warning: skipped {files} not valid UTF-8 in data.path: {names}{more}"
