@@ -13,8 +13,12 @@ PIP := $(PY) -m pip --disable-pip-version-check -q
 .PHONY: install demo test test-fast bench clean
 
 $(VENV)/.base:
+	@if [ -n "$(USE_SYSTEM_TORCH)" ] && ! $(PYTHON) -c "import importlib.util as u, sys; sys.exit(u.find_spec('torch') is None)"; then \
+	  echo "USE_SYSTEM_TORCH=1 but $(PYTHON) ($$(command -v $(firstword $(PYTHON)))) has no torch; install torch into it first, or drop USE_SYSTEM_TORCH" >&2; exit 1; fi
 	$(PYTHON) -m venv $(if $(USE_SYSTEM_TORCH),--system-site-packages) $(VENV)
-	@if [ -n "$(USE_SYSTEM_TORCH)" ]; then $(PY) -c "import torch; print('using torch', torch.__version__)"; \
+	@if [ -n "$(USE_SYSTEM_TORCH)" ]; then \
+	  $(PY) -c "import torch; print('using torch', torch.__version__)" 2>$(VENV)/.torch-error || { \
+	  echo "USE_SYSTEM_TORCH=1 but torch does not import in $(VENV) ($$(tail -n 1 $(VENV)/.torch-error)); if $(PYTHON) is itself a venv, use the python it was made from" >&2; exit 1; }; \
 	elif ! $(PY) -c "import torch" 2>/dev/null; then $(PIP) install "$(TORCH)"; fi
 	@touch $@
 

@@ -13,6 +13,7 @@ import json
 from pathlib import Path
 
 from shardlm.data.sources import builtin_files
+from shardlm.extras import quiet_imports, require
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}{% if m['role'] == 'assistant' %}"
@@ -66,8 +67,8 @@ def make_tokenizer(out: Path, vocab_size: int = 512) -> None:
 def make_tiny_hf(out: Path, arch: str = "llama", seed: int = 0, max_shard_size: str = "200KB") -> Path:
     """A randomly initialised tiny model of `arch` (llama | qwen2 | qwen3), saved sharded, with tokenizer."""
     import torch
-    import transformers
 
+    transformers = require("transformers", "hf", "`shardlm make-debug-hf`")  # before anything is written
     out.mkdir(parents=True, exist_ok=True)
     make_tokenizer(out)
     from tokenizers import Tokenizer
@@ -77,12 +78,13 @@ def make_tiny_hf(out: Path, arch: str = "llama", seed: int = 0, max_shard_size: 
     common = dict(vocab_size=tok.get_vocab_size(), hidden_size=128, intermediate_size=352,
                   num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                   rms_norm_eps=1e-5, tie_word_embeddings=False, initializer_range=0.2, eos_token_id=eos, bos_token_id=eos)
-    cls = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
-           "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
-           "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM)}[arch]
-    torch.manual_seed(seed)
-    model = cls[1](cls[0](**common)).float()
-    model.save_pretrained(out, max_shard_size=max_shard_size, safe_serialization=True)
+    with quiet_imports():  # transformers imports its model classes (and, where installed, torchao) lazily
+        cls = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+               "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+               "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM)}[arch]
+        torch.manual_seed(seed)
+        model = cls[1](cls[0](**common)).float()
+        model.save_pretrained(out, max_shard_size=max_shard_size, safe_serialization=True)
     return out
 
 

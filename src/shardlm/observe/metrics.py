@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from shardlm.errors import ConfigError
+from shardlm.extras import require
 
 # Dense bf16 tensor-core peak per GPU, FLOP/s (vendor datasheets, no sparsity).
 PEAK_BF16_FLOPS = {
@@ -56,15 +56,14 @@ class MetricsLogger:
                  tensorboard: bool, start_step: int = 0):
         self.enabled = enabled
         self.bar = self.tb = self.file = None
+        if tensorboard:  # checked on every rank, so that all of them stop with the one line
+            require("tensorboard", "viz", "metrics.tensorboard=true")
         if not enabled:
             return
-        self.file = open(output_dir / "metrics.jsonl", "a")
         if tensorboard:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-            except ImportError:
-                raise ConfigError("metrics.tensorboard needs the tensorboard package: pip install 'shardlm[viz]'") from None
-            self.tb = SummaryWriter(str(output_dir / "tb"))
+            tb = require("torch.utils.tensorboard", "viz", "metrics.tensorboard=true")
+            self.tb = tb.SummaryWriter(str(output_dir / "tb"))
+        self.file = open(output_dir / "metrics.jsonl", "a")
         if progress_bar and sys.stderr.isatty():
             from tqdm import tqdm
 

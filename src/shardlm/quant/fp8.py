@@ -10,19 +10,18 @@ their adapters are tiny). With tensorwise scaling on CUDA, FSDP all-gathers the 
 from __future__ import annotations
 
 import dataclasses
+from types import ModuleType
 
 import torch
 from torch import nn
 
 from shardlm.errors import ConfigError
+from shardlm.extras import require
 
 
-def _torchao():
-    try:
-        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
-    except ImportError:
-        raise ConfigError("train.mixed_precision=fp8 needs torchao: pip install 'shardlm[fp8]'") from None
-    return Float8LinearConfig, convert_to_float8_training
+def _float8() -> ModuleType:
+    """torchao.float8, imported on first use (torchao is the [fp8] extra, and slow and noisy to import)."""
+    return require("torchao.float8", "fp8", "train.mixed_precision=fp8")
 
 
 def check_fp8_hardware(device: torch.device, emulate: bool) -> None:
@@ -42,8 +41,8 @@ def fp8_all_gather(recipe: str, device: torch.device) -> bool:
 
 def apply_fp8(model: nn.Module, recipe: str, emulate: bool, all_gather: bool) -> list[str]:
     """Swap eligible linears for torchao Float8Linear; returns their names."""
-    Float8LinearConfig, convert = _torchao()
-    config = dataclasses.replace(Float8LinearConfig.from_recipe_name(recipe), emulate=emulate,
+    float8 = _float8()
+    config = dataclasses.replace(float8.Float8LinearConfig.from_recipe_name(recipe), emulate=emulate,
                                  enable_fsdp_float8_all_gather=all_gather)
     converted: list[str] = []
 
@@ -54,12 +53,10 @@ def apply_fp8(model: nn.Module, recipe: str, emulate: bool, all_gather: bool) ->
             converted.append(fqn)
         return ok
 
-    convert(model, config=config, module_filter_fn=eligible)
+    float8.convert_to_float8_training(model, config=config, module_filter_fn=eligible)
     return converted
 
 
 def precompute_fp8_scales(model: nn.Module) -> None:
     """After the optimizer step, one all-reduce computes every float8 weight's scale (all-gather path)."""
-    from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
-
-    precompute_float8_dynamic_scale_for_fsdp(model)
+    _float8().precompute_float8_dynamic_scale_for_fsdp(model)
