@@ -96,10 +96,9 @@ def uses_fp8_all_gather(cfg: Config, device: torch.device) -> bool:
     return cfg.train.mixed_precision == "fp8" and fp8_all_gather(cfg.train.fp8_recipe, device)
 
 
-def build_model(cfg: Config, mc: ModelConfig, mesh: DeviceMesh, device: torch.device,
-                materialize: Materialize = materialize_weights) -> Transformer:
-    """The model of `cfg`, sharded over `mesh`; no rank ever holds the whole model."""
-    t, lo = cfg.train, cfg.lora
+def meta_model(cfg: Config, mc: ModelConfig) -> Transformer:
+    """The model on the meta device (no memory), with LoRA adapters and the frozen base marked."""
+    lo = cfg.lora
     with torch.device("meta"):
         model = Transformer(mc)
     if lo.rank > 0:
@@ -110,6 +109,22 @@ def build_model(cfg: Config, mc: ModelConfig, mesh: DeviceMesh, device: torch.de
                        train_norms=lo.train_norms)
         except ValueError as e:
             raise ConfigError(f"lora.targets: {e}") from None
+    return model
+
+
+def model_state_bytes(cfg: Config, mc: ModelConfig) -> int:
+    """Bytes of model state over all ranks: fp32 weights + gradients + two AdamW moments (16 bytes) per
+    trained parameter, fp32 weights (4 bytes) per frozen one. What `parallel.dp_shard=auto` shares out."""
+    params = list(meta_model(cfg, mc).parameters())
+    trained = sum(p.numel() for p in params if p.requires_grad)
+    return 16 * trained + 4 * (sum(p.numel() for p in params) - trained)
+
+
+def build_model(cfg: Config, mc: ModelConfig, mesh: DeviceMesh, device: torch.device,
+                materialize: Materialize = materialize_weights) -> Transformer:
+    """The model of `cfg`, sharded over `mesh`; no rank ever holds the whole model."""
+    t = cfg.train
+    model = meta_model(cfg, mc)
     if t.mixed_precision == "fp8":
         check_fp8_hardware(device, t.fp8_emulate)
         apply_fp8(model, t.fp8_recipe, t.fp8_emulate, uses_fp8_all_gather(cfg, device))

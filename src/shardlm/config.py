@@ -77,8 +77,28 @@ class LoraSection:
 
 @dataclass
 class ParallelSection:
-    dp_replicate: int = _f(1, "Replicas of the sharded model (HSDP across nodes); 1 = plain FSDP.")
-    dp_shard: int = _f(-1, "Ranks each parameter is sharded over; -1 = world_size / dp_replicate.")
+    dp_replicate: int | Literal["auto"] = _f(
+        1, "Replicas of the sharded model (HSDP across nodes); 1 = plain FSDP; auto = world_size / dp_shard, or, "
+        "with dp_shard=auto too, chosen from the topology (see parallel.dp_shard).")
+    dp_shard: int | Literal["auto"] = _f(
+        -1, "Ranks each parameter is sharded over; -1 = world_size / dp_replicate. auto with dp_replicate=auto: "
+        "shard within a node (or within parallel.nvlink_domain ranks) and replicate across nodes (HSDP) when the "
+        "model state sharded that way takes at most half of a device's memory, else shard over every rank; the "
+        "startup line says which and why. Node boundaries come from the launcher (LOCAL_WORLD_SIZE, "
+        "SLURM_NTASKS_PER_NODE), never guessed.")
+    nvlink_domain: int = _f(
+        0, "Ranks that share one NVLink domain, for parallel.dp_shard=auto; 0 = one node (the launcher's ranks per "
+        "node). E.g. 72 on GB200 NVL72 racks.")
+    init_timeout_s: float = _f(
+        600.0, "Timeout of every collective until the first step is done (covers compile, data preparation and the "
+        "checkpoint load).")
+    step_timeout_s: float = _f(
+        300.0, "Timeout of every collective after the first step: a dead or stalled peer ends every other rank "
+        "within this (plus 30 s) with one line naming the step, the collective phase and the rank waited for.")
+    preflight: bool | Literal["auto", "strict"] = _f(
+        "auto", "Before step 1 each rank times a GEMM and an all-reduce on every mesh dimension and a rank more "
+        "than 20% slower than the median is named: true/false, auto (= true on more than one node), strict "
+        "(stop, exit 9, when a rank is slow).")
     reshard_after_forward: bool = _f(
         True, "Free unsharded parameters after each block's forward (ZeRO-3); false keeps them for "
         "backward (ZeRO-2: more memory, one all-gather less per block).")
@@ -185,6 +205,18 @@ class CheckpointSection:
 
 
 @dataclass
+class EnvSection:
+    preset: str = _f(
+        "auto", "NCCL / torch environment preset, applied before the process group starts (never overriding a "
+        "variable you set, in the environment or /etc/nccl.conf): h100-ib, h100-efa, h100-gcp, a100-ib, roce, "
+        "single-node, cpu, none, or auto (detected from the machine). `shardlm env --list` lists them.")
+    set_: dict[str, str] = _f(
+        {}, "Site-specific variables to set as well, e.g. [env.set] NCCL_IB_HCA = \"=mlx5_0,mlx5_1\" (or "
+        "--env.set.NCCL_IB_HCA==mlx5_0,mlx5_1); they override the preset's values, not your environment's.",
+        key="set")
+
+
+@dataclass
 class Config:
     model: ModelSection = field(default_factory=ModelSection)
     parallel: ParallelSection = field(default_factory=ParallelSection)
@@ -193,6 +225,7 @@ class Config:
     metrics: MetricsSection = field(default_factory=MetricsSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     lora: LoraSection = field(default_factory=LoraSection)
+    env: EnvSection = field(default_factory=EnvSection)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return {s.name: {_key(f): getattr(getattr(self, s.name), f.name)
@@ -251,20 +284,50 @@ def _resolve_key(dotted: str) -> tuple[str, dataclasses.Field]:
     return section, fields[key]
 
 
-def _type_args(tp: Any) -> tuple[Any, bool]:
-    """(base type, optional?) of a field annotation."""
+def _type_args(tp: Any) -> tuple[list[Any], bool]:
+    """(the types a field accepts, optional?) of a field annotation: `int | Literal["auto"]` -> [int, Literal]."""
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
         args = [a for a in typing.get_args(tp) if a is not type(None)]
-        return args[0], True
-    return tp, False
+        return args, len(args) < len(typing.get_args(tp))
+    return [tp], False
+
+
+def _type_name(base: Any) -> str:
+    if typing.get_origin(base) is Literal:
+        return " | ".join(map(repr, typing.get_args(base)))
+    if typing.get_origin(base) is dict:
+        return "table of strings"
+    return getattr(base, "__name__", str(base))
 
 
 def _coerce(dotted: str, tp: Any, value: Any, from_string: bool) -> Any:
-    """Check (TOML) or parse (command line) `value` against the annotation `tp`."""
-    base, optional = _type_args(tp)
+    """Check (TOML) or parse (command line) `value` against the annotation `tp` (the first type of a
+    union that takes it; a string naming a Literal choice wins over parsing it as another type)."""
+    bases, optional = _type_args(tp)
     if optional and (value is None or (from_string and str(value).lower() in ("none", "null", ""))):
         return None
+    if len(bases) == 1:
+        return _coerce_one(dotted, bases[0], value, from_string)
+    literals = [b for b in bases if typing.get_origin(b) is Literal]
+    for base in literals + [b for b in bases if b not in literals]:
+        try:
+            return _coerce_one(dotted, base, value, from_string)
+        except ConfigError:
+            pass
+    raise ConfigError(f"{dotted} expects {' or '.join(_type_name(b) for b in bases)}, got {value!r}")
+
+
+def _coerce_one(dotted: str, base: Any, value: Any, from_string: bool) -> Any:
+    if typing.get_origin(base) is dict:  # dict[str, str]: a TOML table (or NAME=value,... on the command line)
+        if from_string and isinstance(value, str):
+            value = dict(kv.split("=", 1) for kv in value.split(",") if "=" in kv) if value else {}
+        if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+            raise ConfigError(f"{dotted} expects a table of NAME = \"value\" strings, got {value!r}")
+        bad = [k for k, v in value.items() if not isinstance(v, (str, int, float)) or isinstance(v, bool)]
+        if bad:
+            raise ConfigError(f"{dotted}.{bad[0]} must be a string, got {value[bad[0]]!r}")
+        return {k: str(v) for k, v in value.items()}
     if typing.get_origin(base) is list:  # list[str]: a TOML array, or comma-separated on the command line
         if from_string and isinstance(value, str):
             value = [v.strip() for v in value.split(",") if v.strip()]
@@ -302,10 +365,24 @@ def _coerce(dotted: str, tp: Any, value: Any, from_string: bool) -> Any:
 
 
 def set_value(cfg: Config, dotted: str, value: Any, from_string: bool = False) -> None:
+    """Set one key; a table key (env.set) also takes `env.set.NAME`, and adds to what is there."""
+    head, _, item = dotted.rpartition(".")
+    if head.count(".") == 1 and typing.get_origin(_field_type(*head.split("."))) is dict:
+        dotted, value = head, {item: value}  # env.set.NCCL_DEBUG=INFO: one entry of the table
     section, fld = _resolve_key(dotted)
     section_obj = getattr(cfg, section)
     tp = typing.get_type_hints(type(section_obj))[fld.name]
-    setattr(section_obj, fld.name, _coerce(dotted, tp, value, from_string))
+    new = _coerce(dotted, tp, value, from_string)
+    if isinstance(new, dict):
+        new = {**getattr(section_obj, fld.name), **new}
+    setattr(section_obj, fld.name, new)
+
+
+def _field_type(section: str, key: str) -> Any:
+    """The annotation of section.key, or None when there is no such key."""
+    cls = _sections().get(section)
+    fld = None if cls is None else _fields(cls).get(key)
+    return None if fld is None else typing.get_type_hints(cls)[fld.name]
 
 
 def parse_overrides(args: list[str]) -> list[tuple[str, str]]:
@@ -353,7 +430,7 @@ def validate(cfg: Config) -> None:
     t, d, p, m = cfg.train, cfg.data, cfg.parallel, cfg.metrics
     positive = {"train.steps": t.steps, "train.micro_batch_size": t.micro_batch_size,
                 "train.grad_accum": t.grad_accum, "data.seq_len": d.seq_len, "metrics.log_every": m.log_every,
-                "parallel.dp_replicate": p.dp_replicate, "train.ac_every": t.ac_every,
+                "train.ac_every": t.ac_every,
                 "train.max_skipped_steps": t.max_skipped_steps}
     for key, v in positive.items():
         if v < 1:
@@ -362,8 +439,21 @@ def validate(cfg: Config) -> None:
         v = getattr(cfg.model, key)
         if v is not None and v < 1:
             raise ConfigError(f"model.{key} must be >= 1, got {v}")
-    if p.dp_shard < 1 and p.dp_shard != -1:
-        raise ConfigError(f"parallel.dp_shard must be >= 1 or -1 (fill), got {p.dp_shard}")
+    if p.dp_replicate != "auto" and p.dp_replicate < 1:
+        raise ConfigError(f"parallel.dp_replicate must be >= 1 or auto, got {p.dp_replicate}")
+    if p.dp_shard != "auto" and p.dp_shard < 1 and p.dp_shard != -1:
+        raise ConfigError(f"parallel.dp_shard must be >= 1, -1 (fill) or auto, got {p.dp_shard}")
+    if p.dp_shard == -1 and p.dp_replicate == "auto":
+        raise ConfigError("parallel.dp_replicate=auto needs parallel.dp_shard as a number of ranks or auto "
+                          "(-1 means 'the rest of the world', which leaves nothing to choose)")
+    if p.nvlink_domain < 0:
+        raise ConfigError(f"parallel.nvlink_domain must be >= 0 (0 = one node), got {p.nvlink_domain}")
+    for key, v in (("parallel.init_timeout_s", p.init_timeout_s), ("parallel.step_timeout_s", p.step_timeout_s)):
+        if v <= 0:
+            raise ConfigError(f"{key} must be > 0 seconds, got {v}")
+    bad_env = [k for k in cfg.env.set_ if not k or not all(c.isalnum() or c == "_" for c in k) or k[0].isdigit()]
+    if bad_env:
+        raise ConfigError(f"env.set: {bad_env[0]!r} is not an environment variable name (letters, digits, _)")
     nonneg = {"train.seed": t.seed, "train.lr": t.lr, "train.warmup_steps": t.warmup_steps, "train.weight_decay": t.weight_decay,
               "train.grad_clip": t.grad_clip, "train.sample_tokens": t.sample_tokens, "train.eps": t.eps}
     for key, v in nonneg.items():
@@ -401,9 +491,8 @@ def describe() -> str:
         lines.append(f"[{name}]")
         hints = typing.get_type_hints(cls)
         for f in dataclasses.fields(cls):
-            base, optional = _type_args(hints[f.name])
-            tname = (" | ".join(map(repr, typing.get_args(base))) if typing.get_origin(base) is Literal
-                     else base.__name__) + (" | none" if optional else "")
+            bases, optional = _type_args(hints[f.name])
+            tname = " | ".join(map(_type_name, bases)) + (" | none" if optional else "")
             default = f.default_factory() if f.default is dataclasses.MISSING else f.default  # type: ignore[misc]
             lines.append(f"  {name}.{_key(f)} = {default!r}  ({tname})")
             lines.append(f"      {f.metadata['doc']}")

@@ -43,6 +43,20 @@ class PlanError(ShardlmError):
     exit_code = 7
 
 
+class CommError(ShardlmError):
+    """A peer rank died or a collective timed out: the line names the step, the collective phase and the
+    rank waited for (where known). Raised to the CLI only where the process can still unwind; the
+    watchdog (distributed/watchdog.py) prints the same kind of line and ends the process itself."""
+
+    exit_code = 8
+
+
+class PreflightError(ShardlmError):
+    """parallel.preflight=strict found a rank more than 20% slower than the median."""
+
+    exit_code = 9
+
+
 class Interrupted(ShardlmError):
     """Ctrl-C (SIGINT): `interrupted at step N; last complete checkpoint step-M`, printed as
     `shardlm: <that>` (not as an error)."""
@@ -58,4 +72,7 @@ EXIT_CODES = {0: "success (`shardlm plan`: the config fits)", 1: "other shardlm 
               DataError.exit_code: "unusable training data or tokenizer",
               CheckpointError.exit_code: "checkpoint missing, incomplete, unreadable or mismatched",
               TrainingError.exit_code: "non-finite loss/gradients (train.nonfinite) or too many skipped steps",
-              PlanError.exit_code: "the planner cannot run here", Interrupted.exit_code: "interrupted (Ctrl-C)"}
+              PlanError.exit_code: "the planner cannot run here",
+              CommError.exit_code: "a peer rank died or a collective timed out (the line names step, phase, rank)",
+              PreflightError.exit_code: "parallel.preflight=strict: a rank is more than 20% slower than the median",
+              Interrupted.exit_code: "interrupted (Ctrl-C)"}

@@ -33,7 +33,12 @@ def test_resolved_config_round_trips_through_toml(tmp_path):
     (["--train.mixed_precision=fp16"], "train.mixed_precision must be one of 'auto', 'bf16', 'fp32'"),
     (["--metrics.tensorboard=maybe"], "metrics.tensorboard expects bool"),
     (["--train.steps=0"], "train.steps must be >= 1"),
-    (["--parallel.dp_shard=0"], "parallel.dp_shard must be >= 1 or -1"),
+    (["--parallel.dp_shard=0"], "parallel.dp_shard must be >= 1, -1 (fill) or auto"),
+    (["--parallel.dp_replicate=0"], "parallel.dp_replicate must be >= 1 or auto"),
+    (["--parallel.dp_shard=two"], "parallel.dp_shard expects int or 'auto', got 'two'"),
+    (["--parallel.preflight=maybe"], "parallel.preflight expects bool or 'auto' | 'strict'"),
+    (["--parallel.step_timeout_s=0"], "parallel.step_timeout_s must be > 0"),
+    (["--env.set.9X=1"], "env.set: '9X' is not an environment variable name"),
     (["--train.steps"], "has no value"),
     (["steps=5"], "unexpected argument"),
 ])

@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import os
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -23,11 +24,6 @@ class DistEnv:
     backend: str
 
 
-def launched_world_size() -> int:
-    """World size from torchrun's environment (1 when run as a plain process); no collective needed."""
-    return int(os.environ.get("WORLD_SIZE", "1"))
-
-
 def restart_store_warning() -> str | None:
     """torchrun --max-restarts with its shared rendezvous store hands restarted workers the previous
     round's addresses, so the restart fails (pytorch#135712). Say so before it bites."""
@@ -38,11 +34,21 @@ def restart_store_warning() -> str | None:
     return None
 
 
-def init_distributed(device: str = "auto") -> DistEnv:
-    """Join the process group torchrun set up (NCCL on CUDA, gloo on CPU), or make a 1-rank one."""
+def device_type(device: str = "auto") -> str:
+    """train.device resolved: "cuda" or "cpu" (before any process group exists)."""
     use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
     if use_cuda and not torch.cuda.is_available():
         raise ConfigError("train.device=cuda but no CUDA device is visible; use train.device=cpu or auto")
+    return "cuda" if use_cuda else "cpu"
+
+
+def init_distributed(device: str = "auto", timeout_s: float | None = None) -> DistEnv:
+    """Join the process group torchrun set up (NCCL on CUDA, gloo on CPU), or make a 1-rank one.
+
+    `timeout_s` is every collective's timeout until it is lowered after the first step
+    (parallel.init_timeout_s: it must cover compile, data preparation and the checkpoint load)."""
+    use_cuda = device_type(device) == "cuda"
+    timeout = {} if timeout_s is None else {"timeout": timedelta(seconds=timeout_s)}
     launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -54,9 +60,9 @@ def init_distributed(device: str = "auto") -> DistEnv:
         dev, backend = torch.device("cpu"), "gloo"
     if not dist.is_initialized():
         if launched:
-            dist.init_process_group(backend, device_id=dev if use_cuda else None)
+            dist.init_process_group(backend, device_id=dev if use_cuda else None, **timeout)
         else:
-            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, **timeout)
     return DistEnv(dist.get_rank(), dist.get_world_size(), local_rank, dev, backend)
 
 

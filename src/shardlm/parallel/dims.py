@@ -1,12 +1,65 @@
-"""ParallelDims: data-parallel degrees -> a named DeviceMesh (1D = FSDP, 2D = HSDP)."""
+"""ParallelDims: data-parallel degrees -> a named DeviceMesh (1D = FSDP, 2D = HSDP), and `auto` degrees
+chosen from the launch topology.
+
+Node boundaries come from the launcher, never from a guess: torchrun's LOCAL_WORLD_SIZE (its
+--nproc-per-node), else SLURM's SLURM_NTASKS_PER_NODE. torchrun numbers ranks node by node
+(rank = node * ranks_per_node + local_rank), so a row-major (dp_replicate, dp_shard) mesh with
+dp_shard = ranks_per_node keeps every shard group inside one node: FSDP's per-block all-gathers and
+reduce-scatters stay on NVLink and only the once-per-step gradient all-reduce crosses nodes.
+"""
 
 from __future__ import annotations
 
+import os
+import re
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from shardlm.config import ParallelSection
 from shardlm.errors import ConfigError
+
+GIB = 2**30
+HSDP_STATE_SHARE = 0.5  # auto replicates when the model state sharded within a node takes at most this share of a device
+
+
+@dataclass(frozen=True)
+class Topology:
+    """How the launcher laid the ranks out: `world_size` ranks, `ranks_per_node` of them per node."""
+
+    world_size: int
+    ranks_per_node: int
+    source: str  # where ranks_per_node came from, for the startup line
+
+    @property
+    def nodes(self) -> int:
+        return self.world_size // self.ranks_per_node
+
+
+def launch_topology(environ: Mapping[str, str] = os.environ) -> Topology:
+    """The topology torchrun (LOCAL_WORLD_SIZE) or SLURM (SLURM_NTASKS_PER_NODE) describes; one node for
+    a plain process. Anything else is an error for `auto`, not a guess."""
+    world = int(environ.get("WORLD_SIZE", "1"))
+    if "LOCAL_WORLD_SIZE" in environ:
+        per, source = int(environ["LOCAL_WORLD_SIZE"]), "LOCAL_WORLD_SIZE"
+    elif "SLURM_NTASKS_PER_NODE" in environ:  # "8", or "8(x2)" for a homogeneous allocation
+        m = re.fullmatch(r"(\d+)(\(x\d+\))?", environ["SLURM_NTASKS_PER_NODE"].split(",")[0])
+        if m is None:
+            raise ConfigError(f"parallel auto: cannot read SLURM_NTASKS_PER_NODE={environ['SLURM_NTASKS_PER_NODE']!r}; "
+                              "set parallel.dp_shard and parallel.dp_replicate to numbers")
+        per, source = int(m.group(1)), "SLURM_NTASKS_PER_NODE"
+    elif world == 1:
+        per, source = 1, "one process"
+    else:
+        raise ConfigError("parallel.dp_shard=auto needs the ranks per node from the launcher (LOCAL_WORLD_SIZE from "
+                          "torchrun, or SLURM_NTASKS_PER_NODE); launch with torchrun or set parallel.dp_shard and "
+                          "parallel.dp_replicate to numbers")
+    if per < 1 or world % per:
+        raise ConfigError(f"{source}={per} ranks per node does not divide the world size {world} (nodes with "
+                          "different rank counts); launch the same number of ranks on every node, or set "
+                          "parallel.dp_shard and parallel.dp_replicate to numbers")
+    return Topology(world, per, source)
 
 
 @dataclass(frozen=True)
@@ -43,6 +96,54 @@ class ParallelDims:
             return init_device_mesh(device_type, (self.dp_replicate, self.dp_shard),
                                     mesh_dim_names=("dp_replicate", "dp_shard"))
         return init_device_mesh(device_type, (self.dp_shard,), mesh_dim_names=("dp_shard",))
+
+
+def resolve_dims(p: ParallelSection, topo: Topology, state_bytes: Callable[[], int],
+                 device_bytes: int) -> tuple[ParallelDims, str]:
+    """ParallelDims for the config's degrees, with `auto` resolved, and why (empty when nothing was auto).
+
+    Both auto: shard within a node (or within parallel.nvlink_domain ranks) and replicate across them
+    (HSDP) when the model state (`state_bytes()`: fp32 weights + gradients + AdamW moments of what trains,
+    fp32 weights of what is frozen) sharded over one domain takes at most half of `device_bytes`; else
+    shard over every rank (plain FSDP): more ranks to share the state, at the price of all-gathers that
+    cross the slow links.
+    """
+    world, rep, shard = topo.world_size, p.dp_replicate, p.dp_shard
+    if rep != "auto" and shard != "auto":
+        return ParallelDims(rep, shard, world), ""
+    if shard != "auto":  # dp_replicate=auto, dp_shard=N
+        if world % shard:
+            raise ConfigError(f"parallel.dp_shard={shard} does not divide the world size {world}; pick a divisor "
+                              f"of {world} or parallel.dp_shard=auto")
+        return ParallelDims(world // shard, shard, world), f"auto: dp_replicate = {world} ranks / dp_shard {shard}"
+    if rep != "auto":  # dp_shard=auto, dp_replicate=N
+        return ParallelDims(rep, -1, world), f"auto: dp_shard = {world} ranks / dp_replicate {rep}"
+    domain = p.nvlink_domain or topo.ranks_per_node
+    unit = "NVLink domain" if p.nvlink_domain else "node"
+    layout = (f"parallel.nvlink_domain={domain}" if p.nvlink_domain
+              else f"{domain} ranks per node, from {topo.source}")
+    if world <= domain:
+        return ParallelDims(1, world, world), f"auto: FSDP over all {world} ranks (one {unit}: {layout})"
+    if world % domain:
+        return (ParallelDims(1, world, world),
+                f"auto: FSDP over all {world} ranks ({layout} does not divide the world size)")
+    per_rank = state_bytes() / domain
+    state = f"the model state sharded within a {unit} is {per_rank / GIB:.2f} GiB per rank"
+    if per_rank <= HSDP_STATE_SHARE * device_bytes:
+        return (ParallelDims(world // domain, domain, world),
+                f"auto: HSDP {world // domain} x {domain} ({layout}): {state}, <= half of {device_bytes / GIB:.1f} "
+                f"GiB, so the per-block all-gathers stay inside a {unit} and only the gradient all-reduce crosses")
+    return (ParallelDims(1, world, world),
+            f"auto: FSDP over all {world} ranks ({layout}): {state}, > half of {device_bytes / GIB:.1f} GiB")
+
+
+def device_memory_bytes(device_type: str, local_rank: int, ranks_per_node: int) -> int:
+    """Memory of this rank's device: the GPU's, or on CPU the host's divided among its ranks."""
+    if device_type == "cuda":
+        import torch
+
+        return torch.cuda.get_device_properties(local_rank).total_memory
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // max(ranks_per_node, 1)
 
 
 def dp_rank(mesh: DeviceMesh) -> int:

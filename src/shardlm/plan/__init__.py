@@ -109,6 +109,23 @@ def measure(cfg: Config, world_size: int, usable_bytes: int, name: str,
     return scen, step
 
 
+def resolve_auto(cfg: Config, mc, world_size: int, gpus_per_node: int, gpu_mem_gib: float) -> tuple[Config, str]:
+    """`cfg` with parallel.dp_shard/dp_replicate=auto resolved as the trainer would on `world_size` ranks of
+    `gpus_per_node` per node, and the reason (empty when nothing was auto)."""
+    from shardlm.build import model_state_bytes
+    from shardlm.parallel.dims import Topology, resolve_dims
+
+    if "auto" not in (cfg.parallel.dp_shard, cfg.parallel.dp_replicate):
+        return cfg, ""
+    if world_size % gpus_per_node:
+        raise ConfigError(f"plan: --gpus-per-node {gpus_per_node} does not divide the {world_size} ranks")
+    dims, why = resolve_dims(cfg.parallel, Topology(world_size, min(gpus_per_node, world_size), "--gpus-per-node"),
+                             lambda: model_state_bytes(cfg, mc), int(gpu_mem_gib * GIB))
+    cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, dp_replicate=dims.dp_replicate,
+                                                                dp_shard=dims.dp_shard))
+    return cfg, f"parallel.dp_replicate x dp_shard = {dims.dp_replicate} x {dims.dp_shard}, {why}"
+
+
 def _notes(cfg: Config, shape_note: str | None) -> list[str]:
     """One line for each setting the plan does not model exactly."""
     t, notes = cfg.train, []
@@ -145,9 +162,10 @@ def plan(cfg: Config, world_size: int, gpu_mem_gib: float, gpus_per_node: int = 
                           f"{world_size}, {gpu_mem_gib}, {headroom}")
     t0 = time.perf_counter()
     usable = int(gpu_mem_gib * (1 - headroom) * GIB)
-    _, shape_note = model_config(cfg)
+    mc, shape_note = model_config(cfg)
+    cfg, dims_note = resolve_auto(cfg, mc, world_size, gpus_per_node, gpu_mem_gib)
     base, step = measure(cfg, world_size, usable, "as configured", exact=exact)
-    notes = _notes(cfg, shape_note) + ([base.note] if base.note else [])
+    notes = ([dims_note] if dims_note else []) + _notes(cfg, shape_note) + ([base.note] if base.note else [])
     report = PlanReport(model=cfg.model.init_from or cfg.model.preset, n_params=step.n_params,
                         trainable_params=step.trainable, world_size=world_size, gpus_per_node=gpus_per_node,
                         gpu_mem_gib=gpu_mem_gib, headroom=headroom, base=base, notes=notes)

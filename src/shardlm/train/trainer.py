@@ -14,18 +14,18 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from shardlm._torch_compat import float8_linear_class
-from shardlm.build import build_model, build_model_config, uses_fp8_all_gather
+from shardlm.build import build_model, build_model_config, model_state_bytes, uses_fp8_all_gather
 from shardlm.checkpoint import Checkpointer
 from shardlm.checkpoint.lineage import current_lineage, tokenizer_fingerprint
 from shardlm.checkpoint.meta import CheckpointMeta
 from shardlm.config import Config
 from shardlm.data import build_loader, load_tokenizer, resolve_files
 from shardlm.data.loader import IGNORE_INDEX
-from shardlm.distributed.env import init_distributed, launched_world_size, restart_store_warning, shutdown_distributed
+from shardlm.distributed.env import device_type, init_distributed, restart_store_warning, shutdown_distributed
 from shardlm.errors import ConfigError, Interrupted, TrainingError
 from shardlm.generate import generate, prompt_ids
 from shardlm.observe.metrics import MetricsLogger, Throughput, peak_flops, read_and_reset_peak_memory_gib
-from shardlm.parallel.dims import ParallelDims, dp_rank
+from shardlm.parallel.dims import device_memory_bytes, dp_rank, launch_topology, resolve_dims
 from shardlm.parallel.fsdp import clip_grad_norm_
 from shardlm.quant.fp8 import precompute_fp8_scales
 from shardlm.train.optim import build_lr_scheduler, build_optimizer, extended_anchor
@@ -68,12 +68,16 @@ class Trainer:
     def __init__(self, cfg: Config):
         self.cfg = cfg
         # Everything that can be wrong with the config fails here, before any collective.
-        self.dims = ParallelDims(cfg.parallel.dp_replicate, cfg.parallel.dp_shard, launched_world_size())
+        topo = launch_topology()
         self.tokenizer = load_tokenizer(cfg.tokenizer_spec())
         warnings: list[str] = []
         self.model_cfg = build_model_config(cfg, self.tokenizer.vocab_size, warn=warnings.append)
+        dev_type = device_type(cfg.train.device)
+        self.dims, self.dims_reason = resolve_dims(
+            cfg.parallel, topo, lambda: model_state_bytes(cfg, self.model_cfg),
+            device_memory_bytes(dev_type, int(os.environ.get("LOCAL_RANK", "0")), topo.ranks_per_node))
         self.files = resolve_files(cfg.data.path)
-        self.env = init_distributed(cfg.train.device)
+        self.env = init_distributed(cfg.train.device, cfg.parallel.init_timeout_s)
         self.is_rank0 = self.env.rank == 0
         # From here on a SIGTERM is a request to checkpoint and stop, honoured after the next step
         # (and so is Ctrl-C, during the training loop).
@@ -344,6 +348,7 @@ class Trainer:
     def announce(self, tokens_per_step: int) -> None:
         d, mc, m = self.cfg.data, self.model_cfg, self.data_meta
         mesh = " x ".join(f"{n}={s}" for n, s in zip(self.mesh.mesh_dim_names, self.mesh.shape))
+        mesh += f" ({self.dims_reason})" if self.dims_reason else ""
         self.metrics.write(
             f"shardlm: {self.env.world_size} rank(s) on {self.env.device.type} ({self.env.backend}), mesh {mesh} | "
             f"model {self.cfg.model.init_from or self.cfg.model.preset}: {mc.num_params() / 1e6:.2f}M params"
