@@ -16,7 +16,7 @@ import os
 import sys
 
 from shardlm import __version__
-from shardlm.cli import convert, debug_assets, plan, presets, train
+from shardlm.cli import bench, convert, debug_assets, env, plan, presets, train
 from shardlm.errors import EXIT_CODES, ConfigError, Interrupted, ShardlmError
 
 # name -> (module, one-line help), in the order `shardlm --help` lists them
@@ -26,6 +26,10 @@ COMMANDS = {
     "convert": (convert, "checkpoints: dcp-to-hf (HF model or peft adapter), hf-to-dcp"),
     "make-debug-hf": (debug_assets, "a tiny HF-format model + SFT data (for configs/debug_lora.toml)"),
     "presets": (presets, "list the model presets"),
+    "env": (env, "this node's cluster environment: versions, GPUs and NVLink, IB/EFA ports, NCCL variables and "
+                 "mistakes (`--check`); the NCCL presets (`--list`, `--preset NAME`)"),
+    "bench": (bench, "`bench comm`: all-gather / reduce-scatter / all-reduce bandwidth over each mesh dimension "
+                     "(under torchrun), and the FSDP share of a step"),
 }
 
 

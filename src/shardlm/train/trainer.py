@@ -21,6 +21,7 @@ from shardlm.checkpoint.meta import CheckpointMeta
 from shardlm.config import Config
 from shardlm.data import build_loader, load_tokenizer, resolve_files
 from shardlm.data.loader import IGNORE_INDEX
+from shardlm.distributed.nccl import apply_env
 from shardlm.distributed.env import device_type, init_distributed, restart_store_warning, shutdown_distributed
 from shardlm.errors import ConfigError, Interrupted, TrainingError
 from shardlm.generate import generate, prompt_ids
@@ -67,6 +68,8 @@ def nonfinite_report(loss_sum: torch.Tensor, params: list) -> str:
 class Trainer:
     def __init__(self, cfg: Config):
         self.cfg = cfg
+        # NCCL and torch read these when the process group (and the CUDA allocator) starts: first thing.
+        env_report = apply_env(cfg.env.preset, cfg.env.set_, Path(cfg.train.output_dir))
         # Everything that can be wrong with the config fails here, before any collective.
         topo = launch_topology()
         self.tokenizer = load_tokenizer(cfg.tokenizer_spec())
@@ -83,7 +86,7 @@ class Trainer:
         # (and so is Ctrl-C, during the training loop).
         self.preemption = Preemption(cfg.checkpoint.preempt_grace_s, self.log, self.interrupted_line, self.is_rank0)
         if self.is_rank0:
-            for warning in [*warnings, restart_store_warning()]:
+            for warning in [*env_report.lines(), *warnings, restart_store_warning()]:
                 if warning:
                     print(warning, file=sys.stderr, flush=True)
         torch.manual_seed(cfg.train.seed)
