@@ -71,6 +71,50 @@ def float8_linear_class() -> type | None:
     return Float8Linear
 
 
+# -- Process-group timeouts. No public setter changes an existing group's timeout:
+#    `distributed_c10d._set_pg_timeout(timeout, group)` (in c10d since 2.3; checked on 2.13; torchtitan's
+#    `set_pg_timeouts` uses it) calls `_set_default_timeout` on the group's gloo and NCCL backends. Measured on 2.13 (gloo): a
+#    collective with a stalled peer raises after the new timeout. pytorch#165422 reports gloo ops keeping
+#    their old timeout on some builds (fix proposed in pytorch#167052); not measured on 2.11. Where it does
+#    not take, the watchdog's backstop still ends the process (distributed/watchdog.py).
+def set_pg_timeout(group: Any, seconds: float) -> None:
+    """Every later collective on `group` (gloo and NCCL backends) times out after `seconds`."""
+    from datetime import timedelta
+
+    from torch.distributed import distributed_c10d as c10d
+
+    timeout = timedelta(seconds=seconds)
+    setter = getattr(c10d, "_set_pg_timeout", None)
+    if setter is not None:
+        setter(timeout, group)
+        return
+    for device in group._device_types:  # older spelling of the same thing
+        group._get_backend(device)._set_default_timeout(timeout)
+
+
+# -- Flight recorder. ProcessGroupNCCL keeps its own recorder, read by `_dump_nccl_trace` (CUDA builds only;
+#    in the binding lists of recent releases, not run here: no GPU); the generic one (gloo and others,
+#    entries only with TORCH_FR_BUFFER_SIZE > 0) by `_dump_fr_trace` (2.13, checked: gloo collectives show
+#    up; not checked on 2.11). Both return the pickle torch itself writes on a timeout, so the
+#    `fr_trace` / `torchfrtrace` analyzer reads either. Never raises: a diagnostic must not stop an exit.
+def dump_flight_recorder(backend: str) -> bytes | None:
+    """This process's flight-recorder dump (pickle), or None where there is none."""
+    c10d = getattr(torch._C, "_distributed_c10d", None)
+    names = ("_dump_nccl_trace", "_dump_fr_trace") if backend == "nccl" else ("_dump_fr_trace",)
+    for name in names:
+        fn = getattr(c10d, name, None)
+        if fn is None:
+            continue
+        try:
+            blob = fn()
+        except Exception:
+            continue
+        if blob:
+            return bytes(blob)
+    return None
+
+
 __all__ = ["compute_local_shape_and_global_offset", "set_element", "FakeTensorMode", "FakeStore", "FSDPMemTracker",
            "tracker_current", "tracker_peaks", "tracker_module_state", "tracker_categories", "UPDATE_PEAK_STATS",
-           "compile_backends", "release_mesh_groups", "float8_linear_class", "torch"]
+           "compile_backends", "release_mesh_groups", "float8_linear_class", "set_pg_timeout",
+           "dump_flight_recorder", "torch"]

@@ -108,6 +108,25 @@ def test_env_set_applies_with_preset_none(tmp_path):
     assert environ == {"NCCL_IB_HCA": "=mlx5_0", MARKER: "NCCL_IB_HCA"}
 
 
+def test_torchruns_default_async_error_handling_is_not_the_users(tmp_path):
+    # torchrun gives every worker TORCH_NCCL_ASYNC_ERROR_HANDLING=1 unless its own environment has one:
+    # that 1 (no flight-recorder dumps) is the launcher's, so the preset's 3 replaces it, said in one line.
+    environ = {"TORCHELASTIC_RUN_ID": "x", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}
+    report = _apply("h100-ib", tmp_path, environ)
+    assert environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == report.set["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "3"
+    assert any("is torchrun's default for its workers" in line for line in report.lines())
+    # ... but a user who asks for 1 keeps it, and without torchrun a 1 in the environment is the user's
+    environ = {"TORCHELASTIC_RUN_ID": "x", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}
+    report = _apply("h100-ib", tmp_path, environ, {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"})
+    assert environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1" and not report.ignored_extra
+    environ = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}
+    report = _apply("h100-ib", tmp_path, environ)
+    assert environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1" and "TORCH_NCCL_ASYNC_ERROR_HANDLING" in report.kept
+    environ = {"TORCHELASTIC_RUN_ID": "x", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}  # not torchrun's default
+    _apply("h100-ib", tmp_path, environ)
+    assert environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "2"
+
+
 def test_another_name_of_the_same_torch_setting_counts_as_set(tmp_path):
     environ = {"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:128", "TORCH_NCCL_TRACE_BUFFER_SIZE": "0"}
     report = _apply("single-node", tmp_path, environ)

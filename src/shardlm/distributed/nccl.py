@@ -513,6 +513,14 @@ class EnvReport:
         return out + [f"env: warning: {w}" for w in self.warnings]
 
 
+def launcher_defaults(environ: Mapping[str, str]) -> dict[str, str]:
+    """Variables torchrun puts into every worker's environment when its own environment lacks them: such a
+    value is the launcher's default, not a choice of the user's. torchrun sets
+    TORCH_NCCL_ASYNC_ERROR_HANDLING=1 (torch/distributed/elastic/agent/server/local_elastic_agent.py, 2.11
+    and 2.13), which turns off the flight-recorder dump the presets ask for (3 dumps; 1 does not)."""
+    return {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"} if "TORCHELASTIC_RUN_ID" in environ else {}
+
+
 def _in_force(name: str, theirs: Mapping[str, str], conf: Mapping[str, tuple[str, str]]) -> tuple[str, str] | None:
     """(value, where) of a setting someone other than apply_env made, or None."""
     if name in theirs:
@@ -555,12 +563,17 @@ def apply_env(preset: str, extra: Mapping[str, str], output_dir: Path,
     wanted = _wanted(p, extra, out_dir, root, environ, warnings)
     ours = set(filter(None, environ.get(MARKER, "").split(",")))
     theirs = {k: v for k, v in environ.items() if not (k in ours and wanted.get(k) == v)}
+    for name, value in launcher_defaults(environ).items():  # torchrun's, not the user's
+        if theirs.get(name) == value and name in wanted and wanted[name] != value:
+            del theirs[name]
+            warnings.append(f"{name}={value} is torchrun's default for its workers, not yours: set to {wanted[name]} "
+                            f"(keep {value} with env.set.{name}={value})")
     conf = nccl_conf(environ=environ) if conf is None else conf
     report = EnvReport(p.name, reason, {}, {}, {}, warnings)
     for name, value in wanted.items():
         if found := _in_force(name, theirs, conf):
             report.kept[name] = (value, *found)
-            if name in extra:
+            if name in extra and found[0] != value:
                 report.ignored_extra[name] = (value, found[0])
             continue
         environ[name] = report.set[name] = value

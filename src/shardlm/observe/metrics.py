@@ -27,7 +27,8 @@ PEAK_BF16_FLOPS = {
     "L40S": 362e12,
 }
 
-FIELDS = ("step", "loss", "lr", "grad_norm", "tokens_per_sec", "mfu", "mem_gib", "elapsed_s")
+FIELDS = ("step", "loss", "lr", "grad_norm", "tokens_per_sec", "mfu", "mem_gib", "elapsed_s", "step_time_max_rank",
+          "step_time_spread")
 
 
 def peak_flops(device: torch.device) -> float | None:

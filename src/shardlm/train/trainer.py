@@ -22,8 +22,10 @@ from shardlm.config import Config
 from shardlm.data import build_loader, load_tokenizer, resolve_files
 from shardlm.data.loader import IGNORE_INDEX
 from shardlm.distributed.nccl import apply_env
+from shardlm.distributed.preflight import StepTimes, preflight, step_time_slots
+from shardlm.distributed.watchdog import Watchdog, heartbeat_store, install_test_stall, set_timeouts
 from shardlm.distributed.env import device_type, init_distributed, restart_store_warning, shutdown_distributed
-from shardlm.errors import ConfigError, Interrupted, TrainingError
+from shardlm.errors import ConfigError, Interrupted, PreflightError, TrainingError
 from shardlm.generate import generate, prompt_ids
 from shardlm.observe.metrics import MetricsLogger, Throughput, peak_flops, read_and_reset_peak_memory_gib
 from shardlm.parallel.dims import device_memory_bytes, dp_rank, launch_topology, resolve_dims
@@ -65,6 +67,30 @@ def nonfinite_report(loss_sum: torch.Tensor, params: list) -> str:
     return "the gradient norm overflowed (every loss and gradient finite)"
 
 
+class BusyTime:
+    """A rank's busy host time per step: from leaving one step's token-count all-reduce to arriving at the
+    next one (data loading, forward, backward, optimizer: all but the wait for the slowest rank), averaged
+    over the steps since the last `slots` (see distributed/preflight.StepTimes)."""
+
+    def __init__(self) -> None:
+        self.left: float | None = None
+        self.total, self.n = 0.0, 0
+
+    def arrive(self) -> None:
+        if self.left is not None:
+            self.total += time.perf_counter() - self.left
+            self.n += 1
+
+    def leave(self) -> None:
+        self.left = time.perf_counter()
+
+    def slots(self, rank: int, world_size: int) -> list[float]:
+        """This rank's mean busy time in its slot of a world-sized vector (then start a new interval)."""
+        mean = self.total / self.n if self.n else 0.0
+        self.total, self.n = 0.0, 0
+        return step_time_slots(mean, rank, world_size)
+
+
 class Trainer:
     def __init__(self, cfg: Config):
         self.cfg = cfg
@@ -82,33 +108,55 @@ class Trainer:
         self.files = resolve_files(cfg.data.path)
         self.env = init_distributed(cfg.train.device, cfg.parallel.init_timeout_s)
         self.is_rank0 = self.env.rank == 0
+        self.topo = topo
+        # From here a dead or stalled peer ends this rank with one line (exit 8), never a hang.
+        self.watchdog = Watchdog(self.env.rank, self.env.world_size, heartbeat_store(), cfg.parallel.init_timeout_s,
+                                 local_world_size=topo.ranks_per_node,
+                                 backend="nccl" if self.env.device.type == "cuda" else "gloo").start()
+        install_test_stall(self.watchdog, os.environ.get("SHARDLM_TEST_STALL"))
         # From here on a SIGTERM is a request to checkpoint and stop, honoured after the next step
         # (and so is Ctrl-C, during the training loop).
         self.preemption = Preemption(cfg.checkpoint.preempt_grace_s, self.log, self.interrupted_line, self.is_rank0)
         if self.is_rank0:
-            for warning in [*env_report.lines(), *warnings, restart_store_warning()]:
+            env_lines = env_report.lines()
+            for line in env_lines:
+                if ": warning: " not in line:
+                    self.log(line)
+            warnings = [line for line in env_lines if ": warning: " in line] + warnings
+            for warning in [*warnings, restart_store_warning()]:
                 if warning:
                     print(warning, file=sys.stderr, flush=True)
         torch.manual_seed(cfg.train.seed)
-        self.mesh = self.dims.build_mesh(self.env.device.type)
         self.output_dir = Path(cfg.train.output_dir)
-        self.locks = self.lock_run_folders()
+        self.locks: list[RunLock] = []
         try:
-            self.build()
+            with self.watchdog.guard("setup: mesh"):
+                self.mesh = self.dims.build_mesh(self.env.device.type)
+                # The mesh's groups take the backend's default timeout, not init_process_group's: set them.
+                set_timeouts(self.mesh, self.watchdog.pg_timeout_s(cfg.parallel.init_timeout_s))
+                self.run_preflight()
+                self.locks = self.lock_run_folders()
+                self.build()
         except BaseException:
             self.release_locks()  # a start that failed leaves the folder free for the next one
             self.preemption.uninstall()
+            self.watchdog.stop()
             raise
 
     def build(self) -> None:
         """Data, model, optimizer, checkpointer and resume, schedule, run files: after the folder lock."""
-        cfg = self.cfg
+        cfg, wd = self.cfg, self.watchdog
+        wd.enter("setup: data")
         self.loader, self.data_meta = self.build_data()
+        wd.enter("setup: model")
         self.model = build_model(cfg, self.model_cfg, self.mesh, self.env.device)
+        wd.attach(self.model)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.check_writable()
         self.fp8_all_gather = uses_fp8_all_gather(cfg, self.env.device)
         self.skipped_in_row = self.skipped_total = 0
+        self.busy, self.rank_step_times = BusyTime(), None
+        self.step_times = StepTimes(self.env.world_size, self.topo.ranks_per_node, min_excess_s=0.01)
         self.optimizer = build_optimizer(self.model, cfg.train, self.env.device)
         self.state = TrainState(self.loader, self.env.device)
         self.checkpointer = Checkpointer(cfg.checkpoint, self.checkpoint_dir, self.env.rank, self.model,
@@ -116,7 +164,9 @@ class Trainer:
                                          trainable_only=cfg.lora.adapters_only,
                                          meta=CheckpointMeta.from_config(cfg, self.model_cfg),
                                          info=self.run_info())
+        wd.enter("checkpoint load")
         self.resumed_from = self.checkpointer.load()
+        wd.enter("setup")
         self.started_at = self.step
         if self.resumed_from is not None:
             self.log(f"checkpoint: resumed from {self.resumed_from} at step {self.step} "
@@ -129,6 +179,19 @@ class Trainer:
             prepare_metrics_file(self.output_dir, self.step if self.resumed_from else None, log=self.log)
         self.metrics = MetricsLogger(self.output_dir, cfg.train.steps, self.is_rank0, cfg.metrics.progress_bar,
                                      cfg.metrics.tensorboard, start_step=self.step)
+
+    def run_preflight(self) -> None:
+        """parallel.preflight: every rank times a GEMM and an all-reduce per mesh dimension; a slow one is named
+        (and with `strict` the run stops, on every rank alike, before anything is written)."""
+        p = self.cfg.parallel.preflight
+        if not (p is True or p == "strict" or (p == "auto" and self.topo.nodes > 1)) or self.env.world_size == 1:
+            return
+        self.watchdog.enter("preflight")
+        result = preflight(self.mesh, self.env.device, local_world_size=self.topo.ranks_per_node)
+        for line in result.lines():
+            self.log(line)
+        if p == "strict" and not result.ok:
+            raise PreflightError(result.message() + "; replace the node or set parallel.preflight=true to only warn")
 
     def lock_run_folders(self) -> list[RunLock]:
         """Rank 0 locks train.output_dir (and checkpoint.dir when it lies elsewhere) before anything is
@@ -257,26 +320,39 @@ class Trainer:
         of them skip (or stop) together. A rank's stop request (SIGTERM, Ctrl-C) rides on the
         token-count all-reduce, so all ranks stop after the same step.
         """
-        t = self.cfg.train
+        t, wd = self.cfg.train, self.watchdog
         # Counted on the host and reduced over gloo (the process group has a CPU backend on GPUs
-        # too): no device sync, and the scale is a plain float.
+        # too): no device sync, and the scale is a plain float. On log steps each rank also adds its
+        # mean busy time per step in its own slot (a sum of one-hot vectors = a gather, no extra collective).
         ctrl_c = stop_requested and self.preemption.interrupted
+        slots = self.busy.slots(self.env.rank, self.env.world_size) if self.logs_next_step() else []
         counts = torch.tensor([float(sum(int((y != IGNORE_INDEX).sum()) for _, y in batches)), float(stop_requested),
-                               float(ctrl_c)])
+                               float(ctrl_c), *slots])
+        wd.enter("token-count all-reduce")
+        self.busy.arrive()
         dist.all_reduce(counts)
-        n_tokens, stop, ctrl_c = counts.tolist()
+        self.busy.leave()
+        n_tokens, stop, ctrl_c = counts[:3].tolist()
+        self.rank_step_times = counts[3:].tolist() if slots else None
         loss_sum = forward_backward(self.model, batches, self.dims.dp / n_tokens, self.env.device, t.grad_sync,
                                     self.dims.hsdp)
+        wd.enter("grad-norm all-reduce")
         norm = clip_grad_norm_(self.params, t.grad_clip, flag=loss_sum)
         grad_norm = norm.item()  # the step's one host read: the guard decides before the optimizer does
         bad = None if math.isfinite(grad_norm) else nonfinite_report(loss_sum, self.params)
         if bad is None:
+            wd.enter("optimizer")
             self.optimizer.step()
             if self.fp8_all_gather:
                 precompute_fp8_scales(self.model)
             self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return StepResult(loss_sum / n_tokens, grad_norm, stop > 0, ctrl_c > 0, bad)
+
+    def logs_next_step(self) -> bool:
+        """Whether the step being run will be logged (the same answer on every rank)."""
+        n = self.step + 1
+        return n % self.cfg.metrics.log_every == 0 or n == self.cfg.train.steps
 
     def on_nonfinite(self, bad: str) -> None:
         """train.nonfinite: stop with one line, or count the skip (and stop after too many in a row)."""
@@ -297,7 +373,7 @@ class Trainer:
     def train(self) -> list[dict]:
         """Run to train.steps optimizer steps (or until SIGTERM or Ctrl-C); returns the records logged by this
         process. A Ctrl-C ends with `Interrupted` once the checkpoint is saved."""
-        t, log_every = self.cfg.train, self.cfg.metrics.log_every
+        t = self.cfg.train
         tokens_per_step = self.loader.global_batch * self.cfg.data.seq_len
         meter = Throughput(self.model_cfg.flops_per_token(self.cfg.data.seq_len), peak_flops(self.env.device),
                            self.env.world_size)
@@ -308,10 +384,36 @@ class Trainer:
         records, start, stopped, interrupted = [], time.perf_counter(), False, False
         self.checkpointer.info["schedule"] = {"steps": t.steps, "anchor": self.scheduler.anchor}
         self.preemption.catch_ctrl_c()  # from here to the end of the loop, Ctrl-C saves and stops
+        with self.watchdog.guard():
+            stopped, interrupted = self.loop(records, meter, tokens_per_step, start)
+        self.preemption.release_ctrl_c()
+        if stopped and not interrupted:
+            self.log(f"preempted (SIGTERM): checkpoint at step {self.step} saved; exiting cleanly")
+        self.finish(records, time.perf_counter() - start, sample=not stopped)
+        if stopped and interrupted:
+            if dist.is_initialized():
+                dist.barrier()  # rank 0 has published the checkpoint: every rank's line names it
+            raise Interrupted(self.interrupted_line())
+        return records
+
+    def loop(self, records: list[dict], meter: Throughput, tokens_per_step: int, start: float) -> tuple[bool, bool]:
+        """Steps until train.steps or a stop request; (stopped, by Ctrl-C). Every collective in here runs
+        under the watchdog: the phase of each is known, a failing one is one line."""
+        t, wd, log_every = self.cfg.train, self.watchdog, self.cfg.metrics.log_every
+        stopped = interrupted = False
+        first = True
         while self.step < t.steps and not stopped:
             lr = self.scheduler.get_last_lr()[0]
-            res = self.train_step(self.loader.next_step(), self.preemption.requested)
+            wd.step = self.step
+            wd.enter("data")
+            batches = self.loader.next_step()
+            res = self.train_step(batches, self.preemption.requested)
             stopped, interrupted = res.stop, res.interrupted
+            if first:  # compile, data and checkpoint load are behind us: the step timeout from here on
+                first = False
+                wd.enter("timeout change")
+                set_timeouts(self.mesh, wd.pg_timeout_s(self.cfg.parallel.step_timeout_s))
+                wd.set_timeout(self.cfg.parallel.step_timeout_s)
             meter.add(tokens_per_step)
             self.checkpointer.poll()
             if res.nonfinite is not None:
@@ -325,28 +427,34 @@ class Trainer:
             save_now = self.checkpointer.due(self.step, final=self.step == t.steps, stopped=stopped)
             loss_v = None
             if log_now or save_now:
+                wd.enter("loss all-reduce")
                 dist.all_reduce(res.loss)  # each rank holds its share of the global mean
                 loss_v = res.loss.item()
             if log_now:
                 tps, mfu = meter.measure()
                 rec = {"step": self.step, "loss": loss_v, "lr": lr, "grad_norm": res.grad_norm,
                        "tokens_per_sec": tps, "mfu": mfu, "mem_gib": read_and_reset_peak_memory_gib(self.env.device),
-                       "elapsed_s": time.perf_counter() - start}
+                       "elapsed_s": time.perf_counter() - start, **self.step_times_record()}
                 records.append(rec)
                 self.metrics.log(rec)
             self.metrics.advance(loss_v)
             if save_now:
+                wd.enter("checkpoint save")
                 self.save(final=self.step == t.steps, blocking=stopped)
+        wd.enter("checkpoint save")
         self.checkpointer.wait()
-        self.preemption.release_ctrl_c()
-        if stopped and not interrupted:
-            self.log(f"preempted (SIGTERM): checkpoint at step {self.step} saved; exiting cleanly")
-        self.finish(records, time.perf_counter() - start, sample=not stopped)
-        if stopped and interrupted:
-            if dist.is_initialized():
-                dist.barrier()  # rank 0 has published the checkpoint: every rank's line names it
-            raise Interrupted(self.interrupted_line())
-        return records
+        return stopped, interrupted
+
+    def step_times_record(self) -> dict:
+        """step_time_max_rank / step_time_spread of this log interval (None before any step was timed), and
+        a persistent straggler named in the log."""
+        times = self.rank_step_times
+        if not times or not any(times):
+            return {"step_time_max_rank": None, "step_time_spread": None}
+        out = self.step_times.record(times)
+        if line := self.step_times.straggler_line():
+            self.log(line)
+        return out
 
     def announce(self, tokens_per_step: int) -> None:
         d, mc, m = self.cfg.data, self.model_cfg, self.data_meta
@@ -390,6 +498,7 @@ class Trainer:
                                f"train.steps={t.steps}) in {elapsed:.1f}s{skipped}, loss {records[0]['loss']:.3f} -> "
                                f"{records[-1]['loss']:.3f}; outputs in {self.output_dir}/ (config.toml, metrics.jsonl)")
         if sample and t.sample_tokens > 0:
+            self.watchdog.enter("sample")
             ids = generate(self.model, prompt_ids(self.tokenizer, t.sample_prompt), t.sample_tokens,
                            self.cfg.data.seq_len, seed=t.seed, device=self.env.device)
             self.metrics.write("sample:\n" + self.tokenizer.decode(ids))
@@ -397,6 +506,7 @@ class Trainer:
 
     def close(self) -> None:
         """Finish the in-flight save, release the model and every process group; the end of a Trainer."""
+        self.watchdog.enter("shutdown")
         self.preemption.uninstall()
         self.checkpointer.close()
         self.release_locks()
@@ -404,6 +514,7 @@ class Trainer:
         # here and not during interpreter shutdown (see shutdown_distributed).
         self.model = self.optimizer = self.scheduler = self.params = None
         shutdown_distributed()
+        self.watchdog.stop()  # after the teardown: one that hangs is still ended by the backstop
 
 
 def checkpoint_dir(cfg: Config) -> Path:
