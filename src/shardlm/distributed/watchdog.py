@@ -287,6 +287,7 @@ class Watchdog:
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=self.heartbeat_s + 5)
         self._thread = None
+        self.store = None  # let its connection close now, not during interpreter shutdown
 
     def _run(self) -> None:
         while not self._stop.wait(self.heartbeat_s):
