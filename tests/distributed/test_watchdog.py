@@ -114,6 +114,26 @@ def test_backstop_fires_without_progress_and_not_while_progressing():
         wd.stop()
 
 
+def test_one_watchdog_per_process_and_none_left_at_exit():
+    # A second Trainer in the process stops the first one's watchdog (its backstop would otherwise end
+    # the process once that training is idle for timeout + grace); atexit stops the last one, so that no
+    # daemon thread is inside the store's C++ call when the interpreter finalizes (an abort after success).
+    from shardlm.distributed import watchdog as W
+
+    fired: list[str] = []
+    first = Watchdog(0, 1, None, 0.2, on_failure=fired.append, heartbeat_s=0.05, grace_s=0.1).start()
+    second = Watchdog(0, 1, None, 30, on_failure=fired.append, heartbeat_s=0.05).start()
+    try:
+        assert first._thread is None and set(W._LIVE) == {second}
+        time.sleep(0.6)  # the first's backstop would have fired after 0.3 s
+        assert fired == []
+        thread = second._thread
+        W._stop_all()
+        assert thread is not None and not thread.is_alive() and not W._LIVE
+    finally:
+        second.stop()
+
+
 # -- two ranks under fully_shard ----------------------------------------------------------------------
 
 

@@ -161,6 +161,20 @@ def test_second_call_sets_nothing_and_reports_the_same(tmp_path):
     assert first.kept == {"NCCL_IB_TC": ("41", "106", "environment")} and "NCCL_IB_HCA" in first.set
 
 
+def test_a_second_run_in_the_same_process_follows_its_own_output_dir_and_preset(tmp_path):
+    # Two Trainers in one process: what the first call set is not "the user's" for the second.
+    environ = {"NCCL_IB_TC": "106"}
+    apply_env("roce", {"NCCL_IB_HCA": "=mlx5_0"}, tmp_path / "a", environ, {},
+              sysfs=tmp_path / "sys", root=tmp_path / "root")
+    assert environ["TORCH_FR_DUMP_TEMP_FILE"].startswith(str(tmp_path / "a" / "comm_traces"))
+    second = apply_env("cpu", {}, tmp_path / "b", environ, {}, sysfs=tmp_path / "sys", root=tmp_path / "root")
+    assert environ["TORCH_FR_DUMP_TEMP_FILE"].startswith(str(tmp_path / "b" / "comm_traces"))
+    assert "TORCH_FR_DUMP_TEMP_FILE" in second.set and not second.kept
+    want = _filled(PRESETS["cpu"], tmp_path).keys() | {"NCCL_IB_TC", MARKER}
+    assert set(environ) == want, "the roce preset's variables and env.set's stay behind"
+    assert environ["NCCL_IB_TC"] == "106"
+
+
 def test_nccl_conf_reads_the_files_nccl_reads_first_one_wins(tmp_path):
     user, etc = tmp_path / "user.conf", tmp_path / "etc.conf"
     user.write_text("# mine\nNCCL_IB_TIMEOUT=23\n\nnot a setting\n")

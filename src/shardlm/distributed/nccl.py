@@ -554,15 +554,19 @@ def apply_env(preset: str, extra: Mapping[str, str], output_dir: Path,
     the preset's) into `environ` where nobody set them: not in `environ`, not as another name of the same
     torch setting, and, for what NCCL reads, not in an nccl.conf (`conf`, default `nccl_conf()`).
 
-    Idempotent: the names it set are recorded in SHARDLM_ENV_APPLIED, so a second call (or a child process)
-    sets nothing and reports the same. Creates <output_dir>/comm_traces/ when a variable it set points there.
+    The names it set are recorded in SHARDLM_ENV_APPLIED: a second call (another Trainer in the same process,
+    or a child process) treats them as its own, not the user's, so it reports the same and follows a new
+    output_dir or preset (a variable set before and not wanted now is removed). Creates
+    <output_dir>/comm_traces/ when a variable it set points there.
     """
     p, reason = resolve(preset, sysfs, environ, root=root, gpu_name=gpu_name)
     warnings: list[str] = []
     out_dir = os.path.abspath(output_dir)
     wanted = _wanted(p, extra, out_dir, root, environ, warnings)
     ours = set(filter(None, environ.get(MARKER, "").split(",")))
-    theirs = {k: v for k, v in environ.items() if not (k in ours and wanted.get(k) == v)}
+    for name in ours - set(wanted):  # set by an earlier call for another preset or env.set
+        environ.pop(name, None)
+    theirs = {k: v for k, v in environ.items() if k not in ours and k != MARKER}
     for name, value in launcher_defaults(environ).items():  # torchrun's, not the user's
         if theirs.get(name) == value and name in wanted and wanted[name] != value:
             del theirs[name]
@@ -585,9 +589,11 @@ def apply_env(preset: str, extra: Mapping[str, str], output_dir: Path,
 
 def _record(report: EnvReport, environ: MutableMapping[str, str], out_dir: str) -> None:
     """Remember what was set (for the next call) and make the flight recorder's dump folder if it is ours."""
-    names = ",".join(sorted(set(filter(None, environ.get(MARKER, "").split(","))) | set(report.set)))
-    if names and environ.get(MARKER) != names:
+    names = ",".join(sorted(report.set))
+    if names:
         environ[MARKER] = names
+    else:
+        environ.pop(MARKER, None)
     traces = os.path.join(out_dir, "comm_traces")
     if any(v.startswith(traces + os.sep) for v in report.set.values()):
         try:

@@ -23,6 +23,7 @@ waits a long time for a good reason (a large checkpoint write, data preparation)
 
 from __future__ import annotations
 
+import atexit
 import faulthandler
 import json
 import os
@@ -30,6 +31,7 @@ import re
 import sys
 import threading
 import time
+import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
@@ -225,8 +227,23 @@ def install_test_stall(watchdog: "Watchdog", spec: str | None) -> None:
     watchdog.enter = stalling_enter  # type: ignore[method-assign]
 
 
+_LIVE: weakref.WeakSet[Watchdog] = weakref.WeakSet()  # started and not stopped, in this process
+
+
+@atexit.register
+def _stop_all() -> None:
+    """Stop every watchdog still running (a Trainer never closed). atexit runs before the interpreter
+    finalizes: a daemon thread still inside the store's C++ call when it does is killed by forced unwinding
+    and aborts the process after a successful run ("terminate called without an active exception")."""
+    for wd in list(_LIVE):
+        wd.stop()
+
+
 class Watchdog:
-    """Heartbeats, phase tracking and the backstop of one rank (see the module docstring)."""
+    """Heartbeats, phase tracking and the backstop of one rank (see the module docstring).
+
+    One per process runs at a time: starting one stops those of earlier Trainers in the process (their
+    training is over; left running, their backstops would end the process after `timeout + grace`)."""
 
     def __init__(self, rank: int, world_size: int, store: dist.Store | None, timeout_s: float, *,
                  local_world_size: int = 1, on_failure: Callable[[str], NoReturn] | None = None,
@@ -276,12 +293,16 @@ class Watchdog:
 
     # -- the thread --------------------------------------------------------------------------------
     def start(self) -> Watchdog:
+        for other in list(_LIVE):
+            other.stop()
+        _LIVE.add(self)
         self._publish()
         self._thread = threading.Thread(target=self._run, name="shardlm-watchdog", daemon=True)
         self._thread.start()
         return self
 
     def stop(self) -> None:
+        _LIVE.discard(self)
         self._stop.set()
         faulthandler.cancel_dump_traceback_later()
         if self._thread is not None and self._thread is not threading.current_thread():
