@@ -58,7 +58,7 @@ from _common import ROOT, report, shared_tmpdir, write_corpus
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from shardlm.config import Config, load_config
-from shardlm.data.loader import build_packed_loader
+from shardlm.data.loader import PackedLoader
 from shardlm.distributed.env import shutdown_distributed
 from shardlm.models import Transformer
 from shardlm.observe.metrics import MetricsLogger
@@ -105,12 +105,10 @@ class Minimal:
                                      lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps)
         self.max_norm = t.grad_clip
         d = cfg.data
-        # Same token file (already cached by the Trainer), same seed, same dp rank: same batches as (A).
-        self.loader, _ = build_packed_loader(trainer.files, trainer.tokenizer, d.text_field, Path(d.cache_dir),
-                                      seq_len=d.seq_len, micro_batch_size=t.micro_batch_size,
-                                      grad_accum=t.grad_accum, dp_rank=dp_rank(trainer.mesh),
-                                      dp_size=trainer.dims.dp, seed=t.seed, shuffle=d.shuffle,
-                                      is_builder=False, barrier=dist.barrier)
+        # Same token store (prepared by the Trainer), same seed, same dp rank: same batches as (A).
+        self.loader = PackedLoader(trainer.stores[0].tokens, seq_len=d.seq_len, micro_batch_size=t.micro_batch_size,
+                                   grad_accum=t.grad_accum, dp_rank=dp_rank(trainer.mesh), dp_size=trainer.dims.dp,
+                                   seed=t.seed, shuffle=d.shuffle)
 
     def run(self, steps: int) -> None:
         for _ in range(steps):

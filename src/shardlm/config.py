@@ -159,21 +159,48 @@ class TrainSection:
 
 
 @dataclass
+class DataSource:
+    """One source of a mixture: a [[data.sources]] table."""
+
+    path: str = _f("", "A token store or files, as data.path.")
+    weight: float = _f(1.0, "Share of the training samples (normalised over the sources).")
+    epochs: float | None = _f(None, "Cap: at most this many passes over the source (then it drops out).")
+    text_field: str = _f("", "Field holding the text in this source's records; empty = data.text_field.")
+
+
+@dataclass
 class DataSection:
     path: str = _f(
-        "builtin:stdlib", "Training text: `builtin:stdlib` (the running Python's standard library), or a "
-        ".txt/.jsonl file, a directory of them, or a glob.")
+        "builtin:stdlib", "Training data: a token store (`store:DIR`, or a directory holding its manifest.json; "
+        "`shardlm prepare` makes one), or files prepared into a store in data.cache_dir first: .txt, .jsonl, "
+        ".jsonl.gz, .jsonl.zst, .parquet, .arrow, HF `save_to_disk` folders, a directory or a glob of them; "
+        "`builtin:stdlib` = the running Python's standard library.")
+    sources: list[DataSource] = _f(
+        [], "A mixture instead of data.path: [[data.sources]] tables with path, weight, epochs, text_field "
+        "(or --data.sources=PATH:WEIGHT,PATH:WEIGHT; --data.sources.N.weight=W changes one). Sampled per sample, "
+        "deterministically from train.seed; a resume keeps what each source consumed and applies the current "
+        "weights from there.")
     format: Literal["text", "sft"] = _f(
         "text", "text: documents packed for next-token prediction; sft: JSONL with messages, prompt/completion or "
         "instruction/input/output, loss only on the answers.")
     text_field: str = _f("text", "Field holding the text in .jsonl records.")
-    tokenizer: str = _f("auto", "`auto` (the model.init_from directory's tokenizer.json, else bytes), `bytes` "
+    tokenizer: str = _f("auto", "`auto` (the model.init_from directory's tokenizer.json, else the token store's, else "
+                        "bytes), `bytes` "
                         "(UTF-8 bytes + EOS, vocab 257), or a path to an HF tokenizer.json (or its directory).")
     pack: bool = _f(True, "sft: pack samples into seq_len windows (true) or pad one sample per row (false).")
     seq_len: int = _f(128, "Tokens per training sequence (documents are packed, EOS-separated).")
     shuffle: bool = _f(True, "Shuffle the packed sequences (a fresh permutation every epoch).")
-    cache_dir: str = _f("", "Where the tokenised corpus is cached; empty = $XDG_CACHE_HOME/shardlm/tokens "
-                         "(~/.cache/shardlm/tokens).")
+    cache_dir: str = _f("", "Where raw files are prepared into token stores (once per shared filesystem); empty = "
+                         "$XDG_CACHE_HOME/shardlm/tokens (~/.cache/shardlm/tokens).")
+    prepare_workers: int = _f(0, "Processes that tokenise raw files into the cache (0 = every core).")
+    max_bad_fraction: float = _f(
+        0.001, "Malformed records (bad JSON, missing or null text field, not UTF-8) are skipped and reported with "
+        "their file and line or row; more than this share of them is an error.")
+    val_path: str = _f("", "Validation data (a store or files): fixed, the same on every world size. Empty = the "
+                       "store's val/ when data.path is a store prepared with --val-fraction or --val.")
+    document_mask: bool = _f(
+        False, "Packed documents do not see each other: positions (RoPE) restart at each document, attention stays "
+        "within it, and the target across a boundary is dropped.")
 
 
 @dataclass
@@ -228,10 +255,7 @@ class Config:
     env: EnvSection = field(default_factory=EnvSection)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
-        return {s.name: {_key(f): getattr(getattr(self, s.name), f.name)
-                         for f in dataclasses.fields(getattr(self, s.name))
-                         if getattr(getattr(self, s.name), f.name) is not None}
-                for s in dataclasses.fields(self)}
+        return {s.name: _plain(getattr(self, s.name)) for s in dataclasses.fields(self)}
 
     def to_toml(self) -> str:
         return tomli_w.dumps(self.to_dict())
@@ -249,7 +273,33 @@ class Config:
                 d = CheckpointMeta.load(self.model.dcp_dir).tokenizer_dir
             except CheckpointError:
                 d = None
-        return str(d) if d is not None and (d / "tokenizer.json").is_file() else "bytes"
+        if d is not None and (d / "tokenizer.json").is_file():
+            return str(d)
+        return self._store_tokenizer() or "bytes"
+
+    def _store_tokenizer(self) -> str | None:
+        """The tokenizer a token store in data.path (or the first source) was prepared with, if it is here."""
+        import json
+
+        from shardlm.data.store import MANIFEST, is_store, store_path
+
+        path = self.data.sources[0].path if self.data.sources else self.data.path
+        if not is_store(path):
+            return None
+        try:
+            spec = json.loads((store_path(path) / MANIFEST).read_text())["tokenizer"]["spec"]
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+        return spec if spec == "bytes" or Path(spec).exists() else None
+
+
+def _plain(v: Any) -> Any:
+    """A section (or [[table]] entry) as TOML-able values; None is left out (TOML has no null)."""
+    if dataclasses.is_dataclass(v):
+        return {_key(f): _plain(getattr(v, f.name)) for f in dataclasses.fields(v) if getattr(v, f.name) is not None}
+    if isinstance(v, list):
+        return [_plain(x) for x in v]
+    return v
 
 
 # -- parsing -------------------------------------------------------------------------------------
@@ -298,6 +348,8 @@ def _type_name(base: Any) -> str:
         return " | ".join(map(repr, typing.get_args(base)))
     if typing.get_origin(base) is dict:
         return "table of strings"
+    if typing.get_origin(base) is list and dataclasses.is_dataclass(typing.get_args(base)[0]):
+        return "array of tables (" + ", ".join(_fields(typing.get_args(base)[0])) + ")"
     return getattr(base, "__name__", str(base))
 
 
@@ -328,6 +380,8 @@ def _coerce_one(dotted: str, base: Any, value: Any, from_string: bool) -> Any:
         if bad:
             raise ConfigError(f"{dotted}.{bad[0]} must be a string, got {value[bad[0]]!r}")
         return {k: str(v) for k, v in value.items()}
+    if typing.get_origin(base) is list and dataclasses.is_dataclass(typing.get_args(base)[0]):
+        return _coerce_tables(dotted, typing.get_args(base)[0], value, from_string)
     if typing.get_origin(base) is list:  # list[str]: a TOML array, or comma-separated on the command line
         if from_string and isinstance(value, str):
             value = [v.strip() for v in value.split(",") if v.strip()]
@@ -364,8 +418,54 @@ def _coerce_one(dotted: str, base: Any, value: Any, from_string: bool) -> Any:
     raise ConfigError(f"{dotted} expects {base.__name__}, got {value!r} ({type(value).__name__})")
 
 
+def _coerce_tables(dotted: str, cls: type, value: Any, from_string: bool) -> list:
+    """[[data.sources]]: a TOML array of tables, or PATH:WEIGHT[:EPOCHS],... on the command line."""
+    if from_string and isinstance(value, str):
+        value = [_source_entry(dotted, item) for item in value.split(",") if item.strip()]
+    if not isinstance(value, list) or not all(isinstance(v, dict) for v in value):
+        raise ConfigError(f"{dotted} expects [[{dotted}]] tables (or PATH:WEIGHT,... on the command line), got {value!r}")
+    hints, fields = typing.get_type_hints(cls), _fields(cls)
+    out = []
+    for i, table in enumerate(value):
+        obj = cls()
+        for key, v in table.items():
+            if key not in fields:
+                raise _unknown("key", f"{dotted}.{i}.{key}", [f"{dotted}.{i}.{k}" for k in fields])
+            setattr(obj, fields[key].name, _coerce(f"{dotted}.{i}.{key}", hints[fields[key].name], v, from_string))
+        out.append(obj)
+    return out
+
+
+def _source_entry(dotted: str, item: str) -> dict[str, str]:
+    parts = item.strip().rsplit(":", 2)
+    numeric = [p for p in parts[1:] if p.replace(".", "", 1).isdigit()]
+    if len(parts) == 1 or not numeric:
+        return {"path": item.strip()}
+    if len(parts) == 3 and len(numeric) == 2:
+        return {"path": parts[0], "weight": parts[1], "epochs": parts[2]}
+    path, weight = item.strip().rsplit(":", 1)
+    return {"path": path, "weight": weight}
+
+
 def set_value(cfg: Config, dotted: str, value: Any, from_string: bool = False) -> None:
-    """Set one key; a table key (env.set) also takes `env.set.NAME`, and adds to what is there."""
+    """Set one key; a table key (env.set) also takes `env.set.NAME`, and adds to what is there; an array of
+    tables (data.sources) takes `data.sources.N.key` for one entry."""
+    parts = dotted.split(".")
+    if len(parts) == 4 and parts[2].isdigit():
+        tp = _field_type(parts[0], parts[1])
+        if typing.get_origin(tp) is list and dataclasses.is_dataclass(typing.get_args(tp)[0]):
+            entries = getattr(getattr(cfg, parts[0]), _fields(_sections()[parts[0]])[parts[1]].name)
+            i = int(parts[2])
+            if i >= len(entries):
+                raise ConfigError(f"{dotted}: there are {len(entries)} {parts[0]}.{parts[1]} entries (0-based); "
+                                  "add the entry in the TOML file first")
+            cls = typing.get_args(tp)[0]
+            fields = _fields(cls)
+            if parts[3] not in fields:
+                raise _unknown("key", dotted, [f"{parts[0]}.{parts[1]}.{i}.{k}" for k in fields])
+            setattr(entries[i], fields[parts[3]].name,
+                    _coerce(dotted, typing.get_type_hints(cls)[fields[parts[3]].name], value, from_string))
+            return
     head, _, item = dotted.rpartition(".")
     if head.count(".") == 1 and typing.get_origin(_field_type(*head.split("."))) is dict:
         dotted, value = head, {item: value}  # env.set.NCCL_DEBUG=INFO: one entry of the table
@@ -448,6 +548,10 @@ def validate(cfg: Config) -> None:
                           "(-1 means 'the rest of the world', which leaves nothing to choose)")
     if p.nvlink_domain < 0:
         raise ConfigError(f"parallel.nvlink_domain must be >= 0 (0 = one node), got {p.nvlink_domain}")
+    if p.nvlink_domain and (p.dp_shard != "auto" or p.dp_replicate != "auto"):
+        raise ConfigError(f"parallel.nvlink_domain={p.nvlink_domain} only shapes the mesh when parallel.dp_shard "
+                          f"and dp_replicate are both auto, but dp_shard={p.dp_shard}, dp_replicate={p.dp_replicate}: set both "
+                          "to auto or drop nvlink_domain")
     for key, v in (("parallel.init_timeout_s", p.init_timeout_s), ("parallel.step_timeout_s", p.step_timeout_s)):
         if v <= 0:
             raise ConfigError(f"{key} must be > 0 seconds, got {v}")
@@ -482,6 +586,25 @@ def validate(cfg: Config) -> None:
                           "dcp:/path/to/checkpoint")
     if not t.output_dir:
         raise ConfigError("train.output_dir must not be empty")
+    if not 0.0 <= d.max_bad_fraction <= 1.0 or d.prepare_workers < 0:
+        raise ConfigError(f"data.max_bad_fraction must be in [0, 1] and data.prepare_workers >= 0 (0 = every core); "
+                          f"got {d.max_bad_fraction}, {d.prepare_workers}")
+    if d.document_mask and d.format == "sft" and not d.pack:
+        raise ConfigError("data.document_mask has no effect with data.pack=false (one sample per row already); "
+                          "drop it or pack the samples")
+    if d.sources:
+        if d.path != DataSection().path:
+            raise ConfigError("data.path and data.sources are both set; a mixture reads data.sources only: drop "
+                              "data.path (or the sources)")
+        if d.format != "text":
+            raise ConfigError("data.sources (mixtures) are for data.format=text; for SFT pass one data.path")
+        for i, src in enumerate(d.sources):
+            if not src.path:
+                raise ConfigError(f"data.sources.{i}.path is empty; name a token store or files")
+            if not src.weight > 0:
+                raise ConfigError(f"data.sources.{i}.weight must be > 0, got {src.weight}")
+            if src.epochs is not None and not src.epochs > 0:
+                raise ConfigError(f"data.sources.{i}.epochs must be > 0 (or left out: no cap), got {src.epochs}")
 
 
 def describe() -> str:

@@ -74,8 +74,9 @@ def test_bad_input_is_one_clear_line(tmp_path, corpus, override, needle):
 def test_missing_data_is_one_clear_line(tmp_path, corpus):
     p = _run(["train", "--config", DEBUG, *_small(tmp_path, corpus), f"--data.path={tmp_path / 'none.txt'}"])
     assert p.returncode != 0 and p.stderr.strip().splitlines() == [
-        f"shardlm: error: data.path '{tmp_path / 'none.txt'}' does not exist; pass a .txt/.jsonl file, a directory, "
-        "a glob or builtin:stdlib"]
+        f"shardlm: error: data.path '{tmp_path / 'none.txt'}' does not exist; pass a token store (store:DIR), a file "
+        "(.txt, .jsonl, .jsonl.gz, .jsonl.zst, .parquet, .arrow or a `datasets` save_to_disk folder), a directory, a "
+        "glob or builtin:stdlib"]
 
 
 def test_help_lists_config_keys():

@@ -9,8 +9,8 @@ import time
 import numpy as np
 import pytest
 
-from shardlm.data import PackedLoader, build_packed_loader, load_tokenizer, resolve_files
-from shardlm.data import loader as loader_module
+from shardlm.data import PackedLoader, load_tokenizer, resolve_files
+from shardlm.data.store import PrepareSpec, ensure_cached_store
 from shardlm.data.sources import builtin_files, iter_documents
 from shardlm.data.tokenizer import ByteTokenizer
 from shardlm.errors import ConfigError, DataError
@@ -29,10 +29,13 @@ def test_sources_txt_jsonl_and_bad_utf8(tmp_path, capsys):
     (tmp_path / "c.txt").write_bytes(b"\xff\xfe bad")
     files = resolve_files(str(tmp_path))
     assert [f.name for f in files] == ["a.txt", "b.jsonl", "c.txt"]
-    assert list(iter_documents(files, "body")) == ["hello", "one", "two"]
-    assert capsys.readouterr().err == (f"shardlm: warning: skipped 1 file that is not valid UTF-8 in data.path: "
-                                       f"{tmp_path / 'c.txt'} (invalid start byte at byte 0)\n")
-    with pytest.raises(DataError, match=r"b.jsonl:1: no string field 'text'"):
+    # a file that is not UTF-8 is a bad record: skipped and summed up in one line, an error past the fraction
+    assert list(iter_documents(files, "body", max_bad_fraction=0.25)) == ["hello", "one", "two"]
+    assert capsys.readouterr().err == (f"shardlm: warning: data: 1 of 4 records skipped (1 not valid UTF-8): "
+                                       f"{tmp_path / 'c.txt'} (not valid UTF-8: invalid start byte at byte 0)\n")
+    with pytest.raises(DataError, match=r"1 of 4 records are bad .*c.txt \(not valid UTF-8"):
+        list(iter_documents(files, "body"))
+    with pytest.raises(DataError, match=r"3 of 4 records are bad .*b.jsonl:1 \(missing field 'text'\)"):
         list(iter_documents(files, "text"))
 
 
@@ -56,7 +59,7 @@ def test_the_real_stdlib_corpus_says_at_most_one_line(capsys):
 def test_missing_and_empty_paths_are_clear(tmp_path):
     with pytest.raises(ConfigError, match="does not exist"):
         resolve_files(str(tmp_path / "nope"))
-    with pytest.raises(ConfigError, match="holds no .txt or .jsonl"):
+    with pytest.raises(ConfigError, match=r"holds no data files \(.txt, .jsonl, .jsonl.gz, .jsonl.zst, .parquet"):
         resolve_files(str(tmp_path))
     (tmp_path / "x.csv").write_text("a")
     with pytest.raises(ConfigError, match="unsupported file type"):
@@ -64,62 +67,38 @@ def test_missing_and_empty_paths_are_clear(tmp_path):
 
 
 def _loader_kwargs(**kw):
-    base = dict(seq_len=8, micro_batch_size=2, grad_accum=1, dp_rank=0, dp_size=1, seed=0, shuffle=True,
-                is_builder=True, barrier=lambda: None)
+    base = dict(seq_len=8, micro_batch_size=2, grad_accum=1, dp_rank=0, dp_size=1, seed=0, shuffle=True)
     base.update(kw)
     return base
+
+
+def build_packed_loader(files, tokenizer, text_field, cache, tokenizer_spec="bytes", **kw):
+    """Files -> a store in the cache (one worker) -> a PackedLoader over it, as training does."""
+    store = ensure_cached_store(PrepareSpec(files, tokenizer_spec, tokenizer.fingerprint, text_field), cache,
+                                workers=1)
+    if store.n_tokens == 0:
+        raise DataError("the corpus is empty")
+    meta = {"dtype": store.tokens.dtype.name, "documents": store.documents, "tokens": store.n_tokens}
+    return PackedLoader(store.tokens, **_loader_kwargs(**kw)), meta
 
 
 def test_empty_corpus_is_a_clear_error(tmp_path):
     (tmp_path / "empty.txt").write_text("")
     with pytest.raises(DataError, match="corpus is empty"):
-        build_packed_loader(resolve_files(str(tmp_path)), ByteTokenizer(), "text", tmp_path / "cache", **_loader_kwargs())
+        build_packed_loader(resolve_files(str(tmp_path)), ByteTokenizer(), "text", tmp_path / "cache")
     (tmp_path / "empty.txt").write_text("abc")
     with pytest.raises(DataError, match="fewer than data.seq_len"):
-        build_packed_loader(resolve_files(str(tmp_path)), ByteTokenizer(), "text", tmp_path / "cache", **_loader_kwargs())
+        build_packed_loader(resolve_files(str(tmp_path)), ByteTokenizer(), "text", tmp_path / "cache")
 
 
 def test_token_file_is_documents_with_eos_and_cached(tmp_path):
     (tmp_path / "d.jsonl").write_text('{"text": "ab"}\n{"text": "c"}\n')
     files = resolve_files(str(tmp_path))
-    loader, meta = build_packed_loader(files, ByteTokenizer(), "text", tmp_path / "cache", **_loader_kwargs(seq_len=2))
+    loader, meta = build_packed_loader(files, ByteTokenizer(), "text", tmp_path / "cache", seq_len=2)
     assert list(loader.tokens) == [97, 98, 256, 99, 256] and meta == {"dtype": "uint16", "documents": 2, "tokens": 5}
-    cached = sorted((tmp_path / "cache").iterdir())
-    build_packed_loader(files, ByteTokenizer(), "text", tmp_path / "cache", **_loader_kwargs(seq_len=2))
-    assert sorted((tmp_path / "cache").iterdir()) == cached  # reused, not rebuilt
-
-
-def test_partial_token_files_of_dead_writers_are_removed_live_ones_kept(tmp_path, capsys):
-    cache = tmp_path / "cache"
-    cache.mkdir()
-    dead = subprocess.Popen([sys.executable, "-c", "pass"])
-    dead.wait()
-    here, key, day = loader_module._writer_host(), "0123456789abcdef01234567", loader_module.PARTIAL_STALE_S
-    crashed = cache / f".{key}.{here}.{dead.pid}.tmp"  # this host, pid gone
-    live = cache / f".{key}.{here}.{os.getpid()}.tmp"  # this host, writing now
-    elsewhere = cache / f".{key}.node-7.1234.tmp"  # another host, written to a minute ago
-    elsewhere_old = cache / f".{key}.node-8.1234.tmp"  # another host, untouched for a day
-    unnamed_old = cache / f".{key}.4321.tmp"  # the old name, without a host
-    for f in (crashed, live, elsewhere, elsewhere_old, unnamed_old):
-        f.write_bytes(b"\0" * 10)
-    for f, age in ((elsewhere, 60), (elsewhere_old, day + 60), (unnamed_old, day + 60)):
-        os.utime(f, (time.time() - age,) * 2)
-    (tmp_path / "d.txt").write_text("abc")
-    files = resolve_files(str(tmp_path / "d.txt"))
-    build_packed_loader(files, ByteTokenizer(), "text", cache, **_loader_kwargs(seq_len=2))
-    assert capsys.readouterr().err == (f"shardlm: data cache: removed 3 partial tokenisation files left by crashed "
-                                       f"runs in {cache}\n")
-    assert {f.name for f in cache.glob(".*")} == {live.name, elsewhere.name}
-    build_packed_loader(files, ByteTokenizer(), "text", cache, **_loader_kwargs(seq_len=2))
-    assert capsys.readouterr().err == ""  # nothing left to remove: no line
-
-
-def test_a_failed_tokenisation_leaves_no_partial_file(tmp_path):
-    (tmp_path / "d.jsonl").write_text('{"text": "ab"}\nnot json\n')
-    with pytest.raises(DataError, match="not valid JSON"):
-        build_packed_loader(resolve_files(str(tmp_path)), ByteTokenizer(), "text", tmp_path / "cache",
-                            **_loader_kwargs())
-    assert list((tmp_path / "cache").iterdir()) == []
+    cached = {f: f.stat().st_mtime_ns for f in (tmp_path / "cache").rglob("*")}
+    build_packed_loader(files, ByteTokenizer(), "text", tmp_path / "cache", seq_len=2)
+    assert {f: f.stat().st_mtime_ns for f in (tmp_path / "cache").rglob("*")} == cached  # reused, not rebuilt
 
 
 def _samples(loader: PackedLoader, steps: int) -> list[list[tuple]]:
@@ -182,7 +161,7 @@ def test_hf_tokenizer_json(tmp_path):
     ids = hf.encode("def foo(): return 1")
     assert hf.decode(ids).strip() == "def foo(): return 1"
     (tmp_path / "d.txt").write_text("def foo(): return 1\n" * 20)
-    loader, meta = build_packed_loader([tmp_path / "d.txt"], hf, "text", tmp_path / "cache", **_loader_kwargs(seq_len=4))
+    loader, meta = build_packed_loader([tmp_path / "d.txt"], hf, "text", tmp_path / "cache", str(tmp_path), seq_len=4)
     assert loader.tokens[-1] == hf.eos_id and meta["tokens"] == len(hf.encode((tmp_path / "d.txt").read_text())) + 1
     with pytest.raises(ConfigError, match="no tokenizer.json there"):
         load_tokenizer(str(tmp_path / "nope"))
@@ -198,10 +177,10 @@ def test_sample_order_state_is_a_tensor_and_resumes_from_one():
     steps = [order.rows_for_step() for _ in range(3)]
     assert all(len(s) == 2 and all(len(mb) == 2 for mb in s) for s in steps)
     state = order.state_dict()
-    assert set(state) == {"samples_seen"} and isinstance(state["samples_seen"], torch.Tensor)
+    assert set(state) == {"samples_seen", "order_version"} and isinstance(state["samples_seen"], torch.Tensor)
     assert int(state["samples_seen"]) == 24
     again = SampleOrder(10, 2, 2, 1, 2, seed=1)
-    again.load_state_dict({"samples_seen": 16})  # a plain int too
+    again.load_state_dict({"samples_seen": 16, "order_version": 2})  # plain ints too
     assert again.rows_for_step() == steps[2]
     loader = PackedLoader(np.arange(200, dtype=np.uint16), 8, 2, 1, 0, 1)
     loader.next_step()
@@ -226,14 +205,13 @@ def test_build_loader_branches_on_the_format_with_one_stats_shape(tmp_path):
         cfg = Config()
         cfg.data.format, cfg.data.path, cfg.data.seq_len = fmt, str(tmp_path / path), 32
         cfg.data.cache_dir = str(tmp_path / "cache")
-        loader, stats = build_loader(cfg, ByteTokenizer(), 0, 1, is_builder=True, barrier=lambda: None,
-                                     log=logs.append)
+        loader, stats = build_loader(cfg, ByteTokenizer(), 0, 1, log=logs.append)
         assert isinstance(loader, SFTLoader if fmt == "sft" else PackedLoader)
         assert stats["format"] == fmt and stats["rows"] == loader.n_rows and stats["tokens"] > 0
         shapes.append(set(stats))
         if fmt == "text":
             assert stats["documents"] == 1 and stats["tokens"] == 13 * 20 + 1 and stats["fill"] == 1.0
-            assert stats["template"] is None and not logs
+            assert stats["template"] is None and len(logs) == 1 and logs.pop().startswith("prepare: wrote ")
         else:
             assert stats["documents"] == stats["samples"] == 5 and stats["template"] == "plain"
             assert len(logs) == 1 and logs[0].startswith("sft data: 5 samples") and f"{loader.n_rows} rows" in logs[0]

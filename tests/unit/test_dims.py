@@ -67,6 +67,9 @@ def test_auto_on_one_node_and_nvlink_domains():
     assert (dims.dp_replicate, dims.dp_shard) == (2, 72) and "parallel.nvlink_domain=72" in why
     dims, why = _dims([*AUTO, "--parallel.nvlink_domain=72"], Topology(100, 4, "LOCAL_WORLD_SIZE"), state_gib=100)
     assert (dims.dp_replicate, dims.dp_shard) == (1, 100) and "does not divide" in why
+    for fixed in (["--parallel.dp_shard=8"], ["--parallel.dp_replicate=2"]):  # no effect there: said so
+        with pytest.raises(ConfigError, match=r"parallel.nvlink_domain=72 only shapes the mesh when .* both auto"):
+            load_config(None, [*AUTO, "--parallel.nvlink_domain=72", *fixed])
 
 
 def test_state_bytes_count_what_trains_at_16_and_the_frozen_base_at_4():

@@ -359,7 +359,7 @@ def test_resume_continues_exactly_also_on_another_dp_degree():
     first = SFTLoader(samples, 32, 2, 1, 0, 1, seed=3)
     _rows_seen(first, 4)
     state = first.state_dict()
-    assert state == {"samples_seen": 8}
+    assert state == {"samples_seen": 8, "order_version": 2}
     halves = []
     for r in range(2):
         again = SFTLoader(samples, 32, 1, 1, r, 2, seed=3)

@@ -44,7 +44,7 @@ from shardlm.config import CheckpointSection
 from shardlm._torch_compat import set_element
 from shardlm.checkpoint import lineage
 from shardlm.checkpoint.lineage import Record
-from shardlm.errors import CheckpointError, ConfigError
+from shardlm.errors import CheckpointError, ConfigError, DataError
 
 if TYPE_CHECKING:
     from shardlm.checkpoint.meta import CheckpointMeta
@@ -68,13 +68,26 @@ def complete_checkpoints(folder: Path) -> list[Path]:
 
 def read_keys(path: Path) -> set[str]:
     """The flattened state-dict keys a checkpoint holds; a clear error when it isn't a DCP checkpoint."""
+    return set(_metadata(path))
+
+
+def _metadata(path: Path) -> dict[str, Any]:
     if not (path / METADATA).is_file():
         raise CheckpointError(f"{path} is not a complete checkpoint (no {METADATA}); pass a step-N directory "
                               "that finished saving, or checkpoint.resume=auto")
     try:
-        return set(dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata)
+        return dict(dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata)
     except Exception as e:  # a truncated or foreign metadata file
         raise CheckpointError(f"{path}: unreadable checkpoint metadata ({type(e).__name__}: {e})") from None
+
+
+def saved_tensors(path: Path, prefix: str) -> dict[str, tuple[torch.Size, torch.dtype]]:
+    """{key: (size, dtype)} of the tensors a checkpoint holds under `prefix.` (the prefix left out)."""
+    out = {}
+    for key, m in _metadata(path).items():
+        if key.startswith(prefix + ".") and hasattr(m, "size") and hasattr(m, "properties"):
+            out[key[len(prefix) + 1:]] = (m.size, m.properties.dtype)
+    return out
 
 
 def _first_failure(e: BaseException) -> str:
@@ -190,7 +203,7 @@ class Checkpointer:
                 loaded = path
                 break
             except (Exception, CheckpointException) as e:  # DCP's is a BaseException
-                if isinstance(e, ConfigError):
+                if isinstance(e, (ConfigError, DataError)):  # this run's setup, not the checkpoint: stop
                     raise
                 msg = str(e) if isinstance(e, CheckpointError) else f"{path}: cannot load ({_first_failure(e)})"
                 if self.cfg.resume != "auto":
@@ -239,10 +252,15 @@ class Checkpointer:
             raise CheckpointError(f"{path} holds the model only (checkpoint.model_only); training cannot resume "
                                   "from it")
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=self.options)
-        dcp.load({"model": model_sd, "optim": optim_sd, **self.states}, checkpoint_id=str(path),
+        # A state with `load_template` is loaded at the checkpoint's own shapes, then handed over (it checks them).
+        templates = {name: obj.load_template(saved_tensors(path, name)) for name, obj in self.states.items()
+                     if hasattr(obj, "load_template")}
+        dcp.load({"model": model_sd, "optim": optim_sd, **self.states, **templates}, checkpoint_id=str(path),
                  planner=SafeLoadPlanner())
         set_state_dict(self.model, self.optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd,
                        options=self.options)
+        for name, template in templates.items():
+            self.states[name].load_state_dict(template)
 
     # -- saving ------------------------------------------------------------------------------------
     def due(self, step: int, final: bool, stopped: bool) -> bool:

@@ -16,12 +16,13 @@ import os
 import sys
 
 from shardlm import __version__
-from shardlm.cli import bench, convert, debug_assets, env, plan, presets, train
+from shardlm.cli import bench, convert, debug_assets, env, plan, prepare, presets, train
 from shardlm.errors import EXIT_CODES, ConfigError, Interrupted, ShardlmError
 
 # name -> (module, one-line help), in the order `shardlm --help` lists them
 COMMANDS = {
     "train": (train, "train, alone or under torchrun (`train --help`: every config key)"),
+    "prepare": (prepare, "tokenise data offline, in parallel, into a token store that training memory-maps"),
     "plan": (plan, "per-rank memory before launch: does it fit, and if not, what would"),
     "convert": (convert, "checkpoints: dcp-to-hf (HF model or peft adapter), hf-to-dcp"),
     "make-debug-hf": (debug_assets, "a tiny HF-format model + SFT data (for configs/debug_lora.toml)"),

@@ -1,13 +1,33 @@
-"""Data: sources -> tokenizer -> cached token file -> packed windows -> per-dp-rank micro-batches.
+"""Data: sources (readers) -> token store (prepare, memmap) -> packed windows (+ document masks) -> one source
+or a mixture -> per-dp-rank micro-batches in the global sample order.
 
-`build_loader(cfg, tokenizer, dp_rank, dp_size, is_builder, barrier, log)` builds the loader
-`data.format` names (text: PackedLoader; sft: SFTLoader), both over one `SampleOrder`.
+`open_text_stores(cfg, tokenizer)` (before the process group starts) then `build_loader(cfg, tokenizer,
+dp_rank, dp_size, stores=...)` builds the loader `data.format` names (text: PackedLoader or MixtureLoader;
+sft: SFTLoader).
+
+The names below are imported on first use: `shardlm prepare`'s worker processes import
+`shardlm.data.store` without torch (seconds per worker at start-up).
 """
 
-from shardlm.data.loader import PackedLoader, build_loader, build_packed_loader
-from shardlm.data.order import IGNORE_INDEX, RowLoader, SampleOrder
-from shardlm.data.sources import builtin_files, resolve_files
-from shardlm.data.tokenizer import load_tokenizer
+from __future__ import annotations
 
-__all__ = ["IGNORE_INDEX", "PackedLoader", "RowLoader", "SampleOrder", "build_loader", "build_packed_loader",
-           "builtin_files", "resolve_files", "load_tokenizer"]
+import importlib
+from typing import Any
+
+_WHERE = {
+    "MixtureLoader": "loader", "PackedLoader": "loader", "build_loader": "loader", "open_text_stores": "loader",
+    "IGNORE_INDEX": "order", "RowLoader": "order", "SampleOrder": "order",
+    "builtin_files": "sources", "resolve_files": "sources",
+    "TokenStore": "store", "prepare": "store",
+    "load_tokenizer": "tokenizer",
+}
+
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _WHERE:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{_WHERE[name]}"), name)
+    globals()[name] = value
+    return value

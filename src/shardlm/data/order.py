@@ -4,8 +4,12 @@ Step s uses global samples [s*G, (s+1)*G) of a seeded per-epoch permutation of t
 G = micro_batch_size x grad_accum x dp. Within a step, micro-batch k of dp rank r holds samples
 k*mbs*dp + r*mbs ... +mbs, so each rank reads a disjoint part and the global batch holds the same
 rows whatever the number of ranks. The only state is the number of samples consumed, so a resume
-on a different dp degree continues exactly where the run stopped; memory is O(1) in the steps run
-(one permutation of the rows, of the current epoch).
+on a different dp degree continues exactly where the run stopped.
+
+The permutation (`Permutation`) is a keyed Feistel network computed per index: O(1) memory and time
+whatever the number of rows (a materialised permutation of 10^9 windows would be 8 GB per rank).
+Its output is part of the checkpoint contract: changing it changes which samples a resume reads,
+so any change to `Permutation` must bump `ORDER_VERSION` (tests/unit/test_order.py pins its values).
 """
 
 from __future__ import annotations
@@ -13,11 +17,142 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from shardlm.errors import DataError
+
 IGNORE_INDEX = -100  # a label that is not a target (cross_entropy's ignore_index)
+ORDER_VERSION = 2  # 1: numpy's permutation per epoch (shardlm before the Feistel order); 2: `Permutation`
+
+_M64 = (1 << 64) - 1
+_GOLDEN = 0x9E3779B97F4A7C15  # 2^64 / phi, splitmix64's increment
+_C1, _C2 = 0xBF58476D1CE4E5B9, 0x94D049BB133111EB  # splitmix64's finaliser multipliers
+
+
+def mix64(z: int) -> int:
+    """splitmix64's finaliser: a bijective, well-avalanched hash of a 64-bit integer."""
+    z &= _M64
+    z = ((z ^ (z >> 30)) * _C1) & _M64
+    z = ((z ^ (z >> 27)) * _C2) & _M64
+    return z ^ (z >> 31)
+
+
+def _mix64_array(z: np.ndarray) -> np.ndarray:
+    """`mix64` on a uint64 array (numpy's uint64 arithmetic wraps modulo 2^64)."""
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(_C1)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(_C2)
+    return z ^ (z >> np.uint64(31))
+
+
+def derive_seed(*parts: int) -> int:
+    """A 64-bit seed from integers (seed, epoch, source index, ...): deterministic in every process."""
+    h = mix64(0x5EED)
+    for p in parts:
+        h = mix64(h ^ mix64((int(p) & _M64) + _GOLDEN))
+    return h
+
+
+class Permutation:
+    """A seeded bijection of [0, n), one per (seed, epoch), computed per index in O(1) memory and time.
+
+    A balanced Feistel network (`ROUNDS` rounds, round function `mix64(half + round key)`) permutes the
+    smallest domain [0, 4^k) >= n; an index that lands outside [0, n) is encrypted again (cycle-walking)
+    until it lands inside, which keeps the map a bijection of [0, n). The domain is < 4n, so that takes
+    under 4 rounds of the network on average.
+    """
+
+    ROUNDS = 6
+
+    def __init__(self, n: int, seed: int = 0, epoch: int = 0):
+        if n < 1:
+            raise ValueError(f"a permutation needs n >= 1, got {n}")
+        self.n, self.seed, self.epoch = int(n), int(seed), int(epoch)
+        self.half_bits = max(1, ((self.n - 1).bit_length() + 1) // 2)
+        self.mask = (1 << self.half_bits) - 1
+        base = derive_seed(seed, epoch)
+        self.keys = [mix64(base + (r + 1) * _GOLDEN) for r in range(self.ROUNDS)]
+
+    def _encrypt(self, x: int) -> int:
+        left, right, mask = x >> self.half_bits, x & self.mask, self.mask
+        for key in self.keys:
+            left, right = right, left ^ (mix64(right + key) & mask)
+        return (left << self.half_bits) | right
+
+    def __call__(self, i: int) -> int:
+        """The position of index i in the permutation."""
+        if not 0 <= i < self.n:
+            raise IndexError(f"index {i} outside [0, {self.n})")
+        x = self._encrypt(int(i))
+        while x >= self.n:
+            x = self._encrypt(x)
+        return x
+
+    def _encrypt_array(self, x: np.ndarray) -> np.ndarray:
+        hb, mask = np.uint64(self.half_bits), np.uint64(self.mask)
+        left, right = x >> hb, x & mask
+        for key in self.keys:
+            left, right = right, left ^ (_mix64_array(right + np.uint64(key)) & mask)
+        return (left << hb) | right
+
+    def permute(self, indices: np.ndarray) -> np.ndarray:
+        """`self(i)` for every i of an integer array, as one array op (int64, same shape)."""
+        idx = np.asarray(indices)
+        if idx.size and (idx.min() < 0 or idx.max() >= self.n):
+            raise IndexError(f"indices outside [0, {self.n})")
+        out = self._encrypt_array(idx.astype(np.uint64).ravel())
+        pending = np.flatnonzero(out >= np.uint64(self.n))
+        while pending.size:  # cycle-walking, over the elements still out of range only
+            out[pending] = self._encrypt_array(out[pending])
+            pending = pending[out[pending] >= np.uint64(self.n)]
+        return out.astype(np.int64).reshape(idx.shape)
+
+
+def check_order_version(state: dict) -> None:
+    """Refuse a loader state whose sample order this shardlm does not compute (resume would repeat or skip
+    samples). A state without `order_version` is version 1 unless nothing was consumed yet."""
+    if "order_version" not in state:
+        if int(state.get("samples_seen", 0)) == 0:
+            return
+        version = 1
+    else:
+        version = int(state["order_version"])
+    if version == ORDER_VERSION:
+        return
+    if version < ORDER_VERSION:
+        raise DataError(f"the checkpoint's sample order is from an older shardlm (version {version}): its resume "
+                        "would repeat or skip samples; start fresh (checkpoint.resume=none) or use the shardlm "
+                        "that wrote it")
+    raise DataError(f"the checkpoint's sample order is from a newer shardlm (version {version}, this one reads "
+                    f"{ORDER_VERSION}); use the shardlm that wrote it or start fresh (checkpoint.resume=none)")
+
+
+def rank_positions(micro_batch_size: int, grad_accum: int, dp_rank: int, dp_size: int) -> np.ndarray:
+    """(grad_accum, micro_batch_size) offsets, within a step's global batch, of this rank's samples."""
+    k = np.arange(grad_accum)[:, None] * (micro_batch_size * dp_size)
+    return k + dp_rank * micro_batch_size + np.arange(micro_batch_size)[None, :]
+
+
+def permuted_rows(samples: np.ndarray, n_rows: int, seed: int, shuffle: bool,
+                  cache: dict[int, Permutation] | None = None) -> np.ndarray:
+    """The rows samples (of a source with `n_rows` rows, epoch-major) read: each epoch's permutation."""
+    epochs, pos = np.divmod(samples, n_rows)
+    if not shuffle:
+        return pos
+    out = np.empty_like(pos)
+    for epoch in np.unique(epochs).tolist():
+        sel = epochs == epoch
+        perm = cache.get(epoch) if cache is not None else None
+        if perm is None:
+            perm = Permutation(n_rows, seed, epoch)
+            if cache is not None:
+                cache.clear()  # the current epoch (and the next, at a boundary) is all a run needs
+                cache[epoch] = perm
+        out[sel] = perm.permute(pos[sel])
+    return out
 
 
 class SampleOrder:
     """Which rows (in [0, n_rows)) this dp rank reads for each optimizer step; resumable."""
+
+    ORDER_VERSION = ORDER_VERSION
 
     def __init__(self, n_rows: int, micro_batch_size: int, grad_accum: int, dp_rank: int, dp_size: int,
                  seed: int = 0, shuffle: bool = True):
@@ -26,7 +161,8 @@ class SampleOrder:
         self.n_rows, self.mbs, self.accum = n_rows, micro_batch_size, grad_accum
         self.dp_rank, self.dp_size, self.seed, self.shuffle = dp_rank, dp_size, seed, shuffle
         self.samples_seen = 0
-        self._perm_epoch, self._perm = -1, None
+        self._perms: dict[int, Permutation] = {}
+        self._offsets = rank_positions(micro_batch_size, grad_accum, dp_rank, dp_size)
 
     @property
     def global_batch(self) -> int:
@@ -37,24 +173,29 @@ class SampleOrder:
         epoch, pos = divmod(sample, self.n_rows)
         if not self.shuffle:
             return pos
-        if epoch != self._perm_epoch:
-            self._perm = np.random.default_rng([self.seed, epoch]).permutation(self.n_rows)
-            self._perm_epoch = epoch
-        return int(self._perm[pos])
+        perm = self._perms.get(epoch)
+        if perm is None:
+            self._perms = {epoch: Permutation(self.n_rows, self.seed, epoch)}
+            perm = self._perms[epoch]
+        return perm(pos)
 
     def rows_for_step(self) -> list[list[int]]:
         """This rank's `grad_accum` micro-batches of the next step, `micro_batch_size` rows each; advances."""
-        base, mbs = self.samples_seen, self.mbs
-        firsts = [base + k * mbs * self.dp_size + self.dp_rank * mbs for k in range(self.accum)]
-        out = [[self.row(s) for s in range(first, first + mbs)] for first in firsts]
+        samples = self.samples_seen + self._offsets
+        rows = permuted_rows(samples, self.n_rows, self.seed, self.shuffle, self._perms)
         self.samples_seen += self.global_batch
-        return out
+        return rows.tolist()
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        return {"samples_seen": torch.tensor(self.samples_seen, dtype=torch.int64)}
+        return {"samples_seen": torch.tensor(self.samples_seen, dtype=torch.int64),
+                "order_version": torch.tensor(ORDER_VERSION, dtype=torch.int64)}
 
     def load_state_dict(self, state: dict) -> None:
-        """Accepts what `state_dict` returns (a tensor) or a plain int."""
+        """Accepts what `state_dict` returns (tensors) or plain ints; `DataError` if its order is another version."""
+        check_order_version(state)
+        if "consumed" in state:
+            raise DataError("the checkpoint's data state is a mixture's (data.sources); this run reads one data.path: "
+                            "resume with the same data.sources or start fresh (checkpoint.resume=none)")
         self.samples_seen = int(state["samples_seen"])
 
 

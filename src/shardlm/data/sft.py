@@ -44,8 +44,11 @@ are counted in `truncated`); a sample left with no target token is dropped (coun
 Batching. `pack=True`: the (input, label) pairs of whole samples are placed into rows of seq_len by
 best-fit decreasing (deterministic; a sample is never split over rows) and the rest of a row is
 padding (input = pad id, label = IGNORE_INDEX). Each sample keeps its own labels, so no label ever
-predicts another sample's token; attention is not blocked between samples of a row (as with
-PackedLoader's documents). `pack=False`: one sample per row, padded. Rows are then dealt by the same
+predicts another sample's token (a sample's last token, its EOS, is only ever a label: nothing in a row
+predicts the next sample's first token). Attention is not blocked between samples of a row unless
+`document_mask=True`: then `rows()` also returns positions, restarting at 0 at each sample and at the
+padding (one more "document"), and the model attends within each sample only (see
+`shardlm.data.packing`). `pack=False`: one sample per row, padded. Rows are then dealt by the same
 `SampleOrder` as PackedLoader's windows: step s uses global rows [s*G, (s+1)*G) of a seeded per-epoch
 permutation, micro-batch k of dp rank r holds rows k*mbs*dp + r*mbs ... +mbs; the only state is
 `samples_seen`, so a resume on any dp degree continues where the run stopped.
@@ -343,9 +346,9 @@ class SFTLoader(RowLoader):
 
     def __init__(self, samples: Sequence[tuple[Sequence[int], Sequence[bool]]], seq_len: int,
                  micro_batch_size: int, grad_accum: int, dp_rank: int, dp_size: int, seed: int = 0,
-                 shuffle: bool = True, pack: bool = True, pad_id: int = 0):
+                 shuffle: bool = True, pack: bool = True, pad_id: int = 0, document_mask: bool = False):
         L = self.seq_len = seq_len
-        self.pack, self.pad_id = pack, pad_id
+        self.pack, self.pad_id, self.document_mask = pack, pad_id, document_mask
         xs, ys, lengths = [], [], []
         truncated = dropped = 0
         for ids, mask in samples:
@@ -388,13 +391,23 @@ class SFTLoader(RowLoader):
             pos += n
         return x, y
 
+    def row_positions(self, w: int) -> np.ndarray:
+        """Row w's positions: 0, 1, ... within each sample, then 0, 1, ... over the padding."""
+        lengths = [int(self.lengths[i]) for i in self._rows[w]]
+        pad = self.seq_len - sum(lengths)
+        return np.concatenate([np.arange(n, dtype=np.int64) for n in [*lengths, pad]])
+
     def row_samples(self, w: int) -> list[int]:
         """Indices (among the kept samples, in input order) of the samples in row w, in row order."""
         return list(self._rows[w])
 
-    def rows(self, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    def rows(self, ids: list[int]) -> tuple[torch.Tensor, ...]:
+        """(inputs, labels), or (inputs, labels, positions) with `document_mask`; each (len(ids), seq_len)."""
         rows = [self.row(w) for w in ids]
-        return torch.from_numpy(np.stack([r[0] for r in rows])), torch.from_numpy(np.stack([r[1] for r in rows]))
+        out = (torch.from_numpy(np.stack([r[0] for r in rows])), torch.from_numpy(np.stack([r[1] for r in rows])))
+        if not self.document_mask:
+            return out
+        return (*out, torch.from_numpy(np.stack([self.row_positions(w) for w in ids])))
 
 
 def load_template(tokenizer, tokenizer_dir: str | Path | None) -> ChatTemplate | PlainTemplate:
@@ -404,11 +417,13 @@ def load_template(tokenizer, tokenizer_dir: str | Path | None) -> ChatTemplate |
 
 def build_sft_loader(files: Sequence[Path], tokenizer, tokenizer_dir: str | Path | None, *, seq_len: int,
                      micro_batch_size: int, grad_accum: int, dp_rank: int = 0, dp_size: int = 1, seed: int = 0,
-                     shuffle: bool = True, pack: bool = True) -> tuple[SFTLoader, dict]:
+                     shuffle: bool = True, pack: bool = True,
+                     document_mask: bool = False) -> tuple[SFTLoader, dict]:
     """Read, render, tokenise and batch SFT records -> (loader, stats).
 
     `tokenizer_dir`: the folder whose chat template renders the records (`tokenizer.directory`;
-    None, or a folder without one: the plain template).
+    None, or a folder without one: the plain template). `document_mask`: rows also carry positions
+    (`SFTLoader.rows`), so the model attends within each sample only.
     stats: records, samples (kept), truncated, dropped (no answer token within seq_len), tokens,
     loss_tokens, rows, fill (non-padding share of the rows), template (`chat_template` or `plain`).
     Every rank does the whole (in-memory) pass; the result is deterministic.
@@ -420,5 +435,5 @@ def build_sft_loader(files: Sequence[Path], tokenizer, tokenizer_dir: str | Path
                         f"(each .jsonl line must be one of {SHAPES})")
     samples = list(tokenize_records(records, tokenizer, template))
     loader = SFTLoader(samples, seq_len, micro_batch_size, grad_accum, dp_rank, dp_size, seed, shuffle, pack,
-                       pad_id=tokenizer.eos_id)
+                       pad_id=tokenizer.eos_id, document_mask=document_mask)
     return loader, {"records": len(records), **loader.stats, "template": template.name}

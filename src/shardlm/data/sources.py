@@ -1,19 +1,17 @@
-"""Where text comes from: the built-in corpus, .txt files, .jsonl records."""
+"""Where text comes from: the built-in corpus (the stdlib's .py files) and `data.path`, read by
+`shardlm.data.readers` (.txt, .jsonl(.gz/.zst), .parquet, .arrow, `datasets` folders)."""
 
 from __future__ import annotations
 
-import glob
-import json
 import os
 import sys
 import sysconfig
 from pathlib import Path
 from typing import Iterator
 
-from shardlm.errors import ConfigError, DataError
+from shardlm.data.readers import BUILTIN, SUFFIXES, BadRecords, plan_units, read_texts, resolve_sources
 
-BUILTIN = "builtin:stdlib"
-SUFFIXES = (".txt", ".jsonl")
+__all__ = ["BUILTIN", "SUFFIXES", "builtin_files", "iter_documents", "resolve_files", "skipped_line", "stdlib_dir"]
 
 
 def stdlib_dir() -> Path:
@@ -39,55 +37,30 @@ def builtin_files(max_depth: int | None = None) -> list[Path]:
 
 
 def resolve_files(spec: str) -> list[Path]:
-    """The sorted list of files `data.path` names; a clear error when there are none."""
-    if spec == BUILTIN:
-        files = builtin_files()
-    elif any(c in spec for c in "*?["):
-        files = sorted(Path(f) for f in glob.glob(spec, recursive=True) if f.endswith(SUFFIXES))
-    elif Path(spec).is_dir():
-        files = sorted(f for f in Path(spec).rglob("*") if f.suffix in SUFFIXES and f.is_file())
-    elif Path(spec).is_file():
-        if not spec.endswith(SUFFIXES):
-            raise ConfigError(f"data.path {spec!r}: unsupported file type; use .txt or .jsonl")
-        files = [Path(spec)]
-    else:
-        raise ConfigError(f"data.path {spec!r} does not exist; pass a .txt/.jsonl file, a directory, a glob or {BUILTIN}")
-    if not files:
-        raise ConfigError(f"data.path {spec!r} holds no .txt or .jsonl files")
-    return files
+    """The files `data.path` names, in order; a clear error when there are none (`readers.resolve_sources`)."""
+    return resolve_sources(spec)
 
 
-def iter_documents(files: list[Path], text_field: str) -> Iterator[str]:
-    """Documents in order: a .txt (or built-in .py) file is one; a .jsonl line is one.
+def iter_documents(files: list[Path], text_field: str, max_bad_fraction: float = 0.001) -> Iterator[str]:
+    """Documents in order: a .txt (or built-in .py) file is one; a .jsonl line or a Parquet/Arrow row is one.
 
-    Files that are not valid UTF-8 are skipped, summed up in one line at the end (`skipped_line`); a
-    .jsonl line that is not JSON or lacks `text_field` is an error naming the file and line.
+    Bad records (not UTF-8, not JSON, no string `text_field`) are skipped and summed up in one line at the
+    end; a DataError at the end when more than `max_bad_fraction` of the records are bad. The stdlib's own
+    files that are not UTF-8 are left out of that count: one note (`skipped_line`).
     """
-    skipped: list[tuple[Path, str]] = []
-    for f in files:
-        try:
-            text = f.read_bytes().decode("utf-8")
-        except UnicodeDecodeError as e:
-            skipped.append((f, f"{e.reason} at byte {e.start}"))
-            continue
-        if f.suffix != ".jsonl":
-            if text:
-                yield text
-            continue
-        for lineno, line in enumerate(text.splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{f}:{lineno}: not valid JSON ({e.msg})") from None
-            value = record.get(text_field) if isinstance(record, dict) else None
-            if not isinstance(value, str):
-                raise DataError(f"{f}:{lineno}: no string field {text_field!r}; set data.text_field")
-            if value:
-                yield value
+    bad, skipped, root = BadRecords(), [], stdlib_dir()
+    for unit in plan_units(files):
+        got = BadRecords()
+        yield from read_texts(unit, text_field, got)
+        if got.bad and unit.path.endswith(".py") and Path(unit.path).is_relative_to(root):
+            skipped.append((Path(unit.path), got.examples[0]))
+        else:
+            bad.merge(got)
     if skipped:
         print(skipped_line(skipped), file=sys.stderr, flush=True)
+    bad.check(max_bad_fraction)
+    if line := bad.line():
+        print(f"shardlm: warning: {line}", file=sys.stderr, flush=True)
 
 
 def skipped_line(skipped: list[tuple[Path, str]], shown: int = 4) -> str:

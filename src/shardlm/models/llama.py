@@ -6,16 +6,24 @@ Qwen3 (per-head q/k RMSNorm): RMSNorm, rotary embeddings, grouped-query attentio
 Face's (`layers.N.self_attn.q_proj`, ...) so checkpoints map one-to-one and LoRA targets read
 the same as in peft.
 
+Document masking for packed rows: `forward(tokens, positions)` with each token's position within
+its document makes every document of a row attend only to itself, at its own RoPE positions, as if
+it ran alone. The mask goes to the blocks as an argument (a bool tensor, or flex attention's
+`BlockMask` on CUDA: `document_attention_backend`), so FSDP, activation checkpointing and
+torch.compile of blocks see it like any other input. Without positions nothing changes: causal SDPA.
+
 Nothing here knows about distribution: the model is built on the `meta` device, sharded from
 outside (`shardlm.parallel`), materialised with `to_empty`, then `init_weights()` fills it.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import zlib
 from dataclasses import dataclass
-from typing import Callable
+from functools import lru_cache
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -121,10 +129,12 @@ class RotaryEmbedding(nn.Module):
         self.cfg = cfg
         self.register_buffer("cos", torch.empty(cfg.max_seq_len, cfg.head_dim), persistent=False)
         self.register_buffer("sin", torch.empty(cfg.max_seq_len, cfg.head_dim), persistent=False)
+        self.register_buffer("inv_freq", torch.empty(cfg.head_dim // 2), persistent=False)
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
         inv_freq = rope_inv_freq(self.cfg).to(self.cos.device)
+        self.inv_freq.copy_(inv_freq)
         t = torch.arange(self.cfg.max_seq_len, device=inv_freq.device, dtype=torch.float32)
         freqs = torch.outer(t, inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
@@ -136,6 +146,13 @@ class RotaryEmbedding(nn.Module):
             raise ValueError(f"sequence of {seq_len} tokens exceeds the RoPE table ({self.cfg.max_seq_len})")
         return self.cos[:seq_len], self.sin[:seq_len]
 
+    def at(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin (B, T, D) at each token's own position: computed as the table is, for any position
+        (a row that starts deep inside a long document goes past the table; no host sync to check)."""
+        freqs = positions.to(torch.float32)[..., None] * self.inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos(), emb.sin()
+
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
@@ -143,9 +160,86 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: (B, H, T, D); cos/sin: (T, D)."""
+    """x: (B, H, T, D); cos/sin: (T, D), or (B, T, D) per token (`RotaryEmbedding.at`)."""
+    if cos.dim() == 3:
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
     cos, sin = cos.to(x.dtype), sin.to(x.dtype)
     return x * cos + _rotate_half(x) * sin
+
+
+# -- document masking -------------------------------------------------------------------------------
+DOCUMENT_BACKENDS = ("flex", "sdpa-mask")
+
+
+def document_segments(positions: torch.Tensor) -> torch.Tensor:
+    """(B, T) segment ids: how many documents start at or before each token (0: a row's leading part
+    of a document that started before the row)."""
+    return (positions == 0).cumsum(-1)
+
+
+def document_causal_mask(segments: torch.Tensor) -> torch.Tensor:
+    """(B, 1, T, T) bool for SDPA: query t may read key s when s <= t and both are in one document."""
+    t = segments.shape[-1]
+    causal = torch.ones(t, t, dtype=torch.bool, device=segments.device).tril()
+    return (segments[:, None, :, None] == segments[:, None, None, :]) & causal
+
+
+def document_mask_mod(segments: torch.Tensor) -> Callable:
+    """The same mask as flex attention's `mask_mod(b, h, q_idx, kv_idx)`."""
+    def mask_mod(b, h, q_idx, kv_idx):
+        return (segments[b, q_idx] == segments[b, kv_idx]) & (kv_idx <= q_idx)
+
+    return mask_mod
+
+
+_FLEX: tuple[Callable, Callable] | None = None
+
+
+def _flex_fns() -> tuple[Callable, Callable]:
+    """(flex_attention, create_block_mask), each torch.compile'd once (uncompiled, flex attention
+    materialises the scores; inside a compiled block dynamo inlines it)."""
+    global _FLEX
+    if _FLEX is None:
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+        _FLEX = (torch.compile(flex_attention), torch.compile(create_block_mask))
+    return _FLEX
+
+
+@lru_cache(maxsize=None)
+def _flex_importable() -> bool:
+    try:
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def document_attention_backend(device: torch.device | str) -> tuple[str, str]:
+    """("flex" | "sdpa-mask", why): how the model masks documents on `device` (for the startup line).
+
+    flex: flex attention compiled to Triton on CUDA, a block-sparse mask built once per forward.
+    sdpa-mask: SDPA with a dense (B, 1, T, T) bool mask, exact everywhere (O(T^2) memory, no flash kernel).
+    """
+    device, dense = torch.device(device), "SDPA with a dense (B, 1, T, T) mask"
+    if device.type != "cuda":
+        return "sdpa-mask", f"{dense}: flex attention is used on CUDA only (here {device.type})"
+    if not _flex_importable():
+        return "sdpa-mask", f"{dense}: torch {torch.__version__} has no flex attention"
+    if importlib.util.find_spec("triton") is None:
+        return "sdpa-mask", f"{dense}: flex attention needs triton, which is not installed"
+    return "flex", "compiled flex attention with a block-sparse document mask"
+
+
+def document_mask(positions: torch.Tensor, backend: str) -> Any:
+    """What `Block.forward` takes as `mask` for rows with these positions: a bool tensor or a `BlockMask`."""
+    if backend not in DOCUMENT_BACKENDS:
+        raise ValueError(f"document attention backend must be one of {', '.join(DOCUMENT_BACKENDS)}, got {backend!r}")
+    segments = document_segments(positions)
+    if backend == "sdpa-mask":
+        return document_causal_mask(segments)
+    b, t = segments.shape
+    return _flex_fns()[1](document_mask_mod(segments), b, None, t, t, device=segments.device)
 
 
 class Attention(nn.Module):
@@ -163,7 +257,8 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: Any = None) -> torch.Tensor:
+        """mask: None (causal), a (B, 1, T, T) bool tensor (True: may attend) or a flex `BlockMask`."""
         b, t, _ = x.shape
         q = self.q_proj(x).view(b, t, self.n_heads, self.head_dim)
         k = self.k_proj(x).view(b, t, self.n_kv_heads, self.head_dim)
@@ -172,10 +267,16 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if mask is not None and not isinstance(mask, torch.Tensor):  # flex: the kernel does GQA itself
+            y = _flex_fns()[0](q, k, v, block_mask=mask, enable_gqa=self.n_kv_heads != self.n_heads)
+            return self.o_proj(y.transpose(1, 2).reshape(b, t, -1))
         if self.n_kv_heads != self.n_heads:  # GQA: query head h reads kv head h // n_rep
             rep = self.n_heads // self.n_kv_heads
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if mask is None:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         return self.o_proj(y.transpose(1, 2).reshape(b, t, -1))
 
 
@@ -202,8 +303,8 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: Any = None) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -219,6 +320,10 @@ def _whole(p: torch.Tensor) -> tuple[torch.Tensor, int]:
 
 
 class Transformer(nn.Module):
+    # How `forward(tokens, positions)` masks documents: "auto" (`document_attention_backend` of the
+    # tokens' device), "flex" or "sdpa-mask". Set it on the model (or the class) to force one.
+    document_attention: str = "auto"
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
@@ -230,12 +335,28 @@ class Transformer(nn.Module):
         # after to_empty or sharding).
         self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """tokens: (B, T) int64 -> logits (B, T, vocab)."""
-        cos, sin = self.rope(tokens.shape[1])
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens: (B, T) int64 -> logits (B, T, vocab).
+
+        positions: None (one sequence per row, positions 0..T-1, causal attention), or (B, T) int64,
+        each token's position within its document (0 where a document starts; a row may start inside
+        one): RoPE uses them and each token attends only to earlier tokens of its own document.
+        """
+        if positions is None:
+            cos, sin = self.rope(tokens.shape[1])
+            mask = None
+        else:
+            if positions.shape != tokens.shape:
+                raise ValueError(f"positions {tuple(positions.shape)} must have the shape of tokens "
+                                 f"{tuple(tokens.shape)}")
+            cos, sin = self.rope.at(positions)
+            backend = self.document_attention
+            if backend == "auto":
+                backend = document_attention_backend(tokens.device)[0]
+            mask = document_mask(positions, backend)
         h = self.embed_tokens(tokens)
         for layer in self.layers:
-            h = layer(h, cos, sin)
+            h = layer(h, cos, sin) if mask is None else layer(h, cos, sin, mask)
         h = self.norm(h)
         if self.lm_head is None:
             return F.linear(h, self.embed_tokens.weight.to(h.dtype))

@@ -2,6 +2,8 @@
 
 The loss is a mean over every target token of the global batch: each rank sums its token losses
 and scales them by dp / (global target-token count), since FSDP averages gradients over dp.
+A micro-batch is (inputs, labels), or (inputs, labels, positions) for document-masked packed rows
+(`shardlm.data.packing`): the positions go to the model, and masked labels are simply not targets.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from torch import nn
 
 from shardlm.data.loader import IGNORE_INDEX
 
-Batch = tuple[torch.Tensor, torch.Tensor]
+Batch = tuple[torch.Tensor, ...]  # (inputs, labels) or (inputs, labels, positions), each (B, T) int64
 
 
 def set_grad_sync(model: nn.Module, k: int, n_micro: int, mode: str, hsdp: bool) -> None:
@@ -45,12 +47,15 @@ def forward_backward(model: nn.Module, batches: list[Batch], scale: float, devic
     `before_micro_batch(k)` is the planner's hook (it labels the memory of each micro-batch).
     """
     loss_sum = torch.zeros((), device=device)
-    for k, (x, y) in enumerate(batches):
+    for k, batch in enumerate(batches):
         set_grad_sync(model, k, len(batches), grad_sync, hsdp)
         if before_micro_batch is not None:
             before_micro_batch(k)
-        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-        logits = model(x)
+        x, y = batch[0].to(device, non_blocking=True), batch[1].to(device, non_blocking=True)
+        if len(batch) > 2:
+            logits = model(x, batch[2].to(device, non_blocking=True))
+        else:
+            logits = model(x)
         loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten(), ignore_index=IGNORE_INDEX,
                                reduction="sum")
         del logits

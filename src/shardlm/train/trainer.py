@@ -19,13 +19,15 @@ from shardlm.checkpoint import Checkpointer
 from shardlm.checkpoint.lineage import current_lineage, tokenizer_fingerprint
 from shardlm.checkpoint.meta import CheckpointMeta
 from shardlm.config import Config
-from shardlm.data import build_loader, load_tokenizer, resolve_files
-from shardlm.data.loader import IGNORE_INDEX
+from shardlm.data import MixtureLoader, build_loader, load_tokenizer, open_text_stores, resolve_files
+from shardlm.data.loader import IGNORE_INDEX, open_val_store
+from shardlm.data.store import is_store
+from shardlm.models.llama import document_attention_backend
 from shardlm.distributed.nccl import apply_env
 from shardlm.distributed.preflight import StepTimes, preflight, step_time_slots
 from shardlm.distributed.watchdog import Watchdog, heartbeat_store, install_test_stall, set_timeouts
 from shardlm.distributed.env import device_type, init_distributed, restart_store_warning, shutdown_distributed
-from shardlm.errors import ConfigError, Interrupted, PreflightError, TrainingError
+from shardlm.errors import ConfigError, DataError, Interrupted, PreflightError, TrainingError
 from shardlm.generate import generate, prompt_ids
 from shardlm.observe.metrics import MetricsLogger, Throughput, peak_flops, read_and_reset_peak_memory_gib
 from shardlm.parallel.dims import device_memory_bytes, dp_rank, launch_topology, resolve_dims
@@ -105,7 +107,18 @@ class Trainer:
         self.dims, self.dims_reason = resolve_dims(
             cfg.parallel, topo, lambda: model_state_bytes(cfg, self.model_cfg),
             device_memory_bytes(dev_type, int(os.environ.get("LOCAL_RANK", "0")), topo.ranks_per_node))
-        self.files = resolve_files(cfg.data.path)
+        # Text data comes from token stores; raw files are prepared into one now, before the process group
+        # starts (no collective waits on it, so no timeout can fire), once per shared filesystem.
+        first = os.environ.get("RANK", "0") == "0"
+        self.files = resolve_files(cfg.data.path) if cfg.data.format == "sft" else None
+        say = lambda line: print(line, flush=True)  # noqa: E731
+        quiet = say if first else (lambda line: None)
+        self.stores = None if self.files is not None else open_text_stores(cfg, self.tokenizer, log=say,
+                                                                           wait_log=quiet)
+        self.val_store = open_val_store(cfg, self.tokenizer, log=say, wait_log=quiet)
+        if self.val_store is not None and first:
+            say(f"data: validation store {self.val_store.path}: {self.val_store.documents:,} documents, "
+                f"{self.val_store.n_tokens:,} tokens (held out; not evaluated yet: in-loop evaluation is not built)")
         self.env = init_distributed(cfg.train.device, cfg.parallel.init_timeout_s)
         self.is_rank0 = self.env.rank == 0
         self.topo = topo
@@ -148,6 +161,9 @@ class Trainer:
         cfg, wd = self.cfg, self.watchdog
         wd.enter("setup: data")
         self.loader, self.data_meta = self.build_data()
+        self.check_mixture()
+        backend, why = document_attention_backend(self.env.device)
+        self.attention_note = f"{backend}: {why}"
         wd.enter("setup: model")
         self.model = build_model(cfg, self.model_cfg, self.mesh, self.env.device)
         wd.attach(self.model)
@@ -309,8 +325,8 @@ class Trainer:
         self.checkpointer.save(self.step, final=final, blocking=blocking)
 
     def build_data(self):
-        return build_loader(self.cfg, self.tokenizer, dp_rank(self.mesh), self.dims.dp,
-                            is_builder=self.env.local_rank == 0, barrier=dist.barrier, log=self.log, files=self.files)
+        return build_loader(self.cfg, self.tokenizer, dp_rank(self.mesh), self.dims.dp, log=self.log, files=self.files,
+                            stores=self.stores)
 
     def train_step(self, batches: list[Batch], stop_requested: bool = False) -> StepResult:
         """One optimizer step over `grad_accum` micro-batches (see `forward_backward` for the loss).
@@ -326,8 +342,8 @@ class Trainer:
         # mean busy time per step in its own slot (a sum of one-hot vectors = a gather, no extra collective).
         ctrl_c = stop_requested and self.preemption.interrupted
         slots = self.busy.slots(self.env.rank, self.env.world_size) if self.logs_next_step() else []
-        counts = torch.tensor([float(sum(int((y != IGNORE_INDEX).sum()) for _, y in batches)), float(stop_requested),
-                               float(ctrl_c), *slots])
+        targets = sum(int((b[1] != IGNORE_INDEX).sum()) for b in batches)  # a batch: (x, y) or (x, y, positions)
+        counts = torch.tensor([float(targets), float(stop_requested), float(ctrl_c), *slots])
         wd.enter("token-count all-reduce")
         self.busy.arrive()
         dist.all_reduce(counts)
@@ -464,8 +480,32 @@ class Trainer:
             f"shardlm: {self.env.world_size} rank(s) on {self.env.device.type} ({self.env.backend}), mesh {mesh} | "
             f"model {self.cfg.model.init_from or self.cfg.model.preset}: {mc.num_params() / 1e6:.2f}M params"
             f"{self.trainable_note()}, {self.precision_note()} | "
-            f"data {len(self.files)} files, {m['tokens'] / 1e6:.2f}M tokens, {self.loader.n_rows} sequences of "
+            f"data {self.data_note()}, {m['tokens'] / 1e6:.2f}M tokens, {self.loader.n_rows} sequences of "
             f"{d.seq_len} | global batch {self.loader.global_batch} seqs = {tokens_per_step} tokens/step")
+
+    def check_mixture(self) -> None:
+        """A mixture whose epoch caps cannot feed train.steps fails now, not mid-run; its plan is logged."""
+        order = self.loader.order
+        if not isinstance(self.loader, MixtureLoader):
+            return
+        cap, need = order.max_samples(), self.cfg.train.steps * self.loader.global_batch
+        if cap is not None and need > cap:
+            raise DataError(f"data.sources: the epochs caps allow {cap:,} samples, train.steps="
+                            f"{self.cfg.train.steps} needs {need:,}; raise the caps or lower train.steps")
+        self.log(order.describe())
+
+    def data_note(self) -> str:
+        """`3 files`, `store NAME`, `mixture of 2 sources`; `, document masks (sdpa-mask: ...)` when on."""
+        if self.files is not None:
+            note = f"{len(self.files)} files"
+        elif len(self.stores) > 1:
+            note = f"mixture of {len(self.stores)} sources"
+        elif is_store(self.cfg.data.path):
+            note = f"store {self.stores[0].path}"
+        else:
+            n = len(self.stores[0].manifest["sources"])
+            note = f"{n} file{'s' if n != 1 else ''} (prepared: {self.stores[0].path})"
+        return note + (f", document masks ({self.attention_note})" if self.cfg.data.document_mask else "")
 
     def precision_note(self) -> str:
         """``bf16``, or ``fp8 tensorwise (28 float8 linears, float8 all-gather)`` and the like."""
