@@ -192,7 +192,7 @@ def build_loader(cfg, tokenizer: Tokenizer, dp_rank: int, dp_size: int, log: Cal
     if d.format == "sft":
         files = resolve_files(d.path) if files is None else files
         loader, s = build_sft_loader(files, tokenizer, tokenizer.directory, pack=d.pack,
-                                     document_mask=d.document_mask, **order)
+                                     document_mask=d.document_mask, max_bad_fraction=d.max_bad_fraction, **order)
         log(f"sft data: {s['samples']} samples ({s['truncated']} truncated to data.seq_len, "
             f"{s['dropped']} dropped with no answer left), {s['loss_tokens']} loss tokens, "
             f"{_TEMPLATE_WORDS.get(s['template'], s['template'])}, {'packed' if d.pack else 'padded'} into {loader.n_rows} rows")

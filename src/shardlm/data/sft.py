@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import sys
 from bisect import bisect_left, insort
 from datetime import datetime
 from pathlib import Path
@@ -67,6 +68,7 @@ import numpy as np
 import torch
 
 from shardlm.data.order import IGNORE_INDEX, RowLoader, SampleOrder
+from shardlm.data.readers import BadRecords, plan_units, read_records
 from shardlm.data.tokenizer import _EOS_CANDIDATES, encode_texts
 from shardlm.errors import ConfigError, DataError
 
@@ -112,25 +114,24 @@ def record_to_messages(record: Any, where: str) -> list[Message]:
     raise bad(f"no known fields (has {', '.join(map(repr, sorted(record))) or 'none'})")
 
 
-def iter_records(files: Sequence[Path]) -> Iterator[tuple[list[Message], str]]:
-    """(messages, "file:line") for every non-blank line of the .jsonl files, in order."""
-    for f in files:
-        f = Path(f)
-        if f.suffix != ".jsonl":
-            raise ConfigError(f"{f}: SFT data must be .jsonl files (one record per line)")
-        try:
-            text = f.read_bytes().decode("utf-8")
-        except UnicodeDecodeError as e:
-            raise DataError(f"{f}: not valid UTF-8 ({e.reason} at byte {e.start})") from None
-        for lineno, line in enumerate(text.splitlines(), 1):
-            if not line.strip():
-                continue
-            where = f"{f}:{lineno}"
+def iter_records(files: Sequence[Path], max_bad_fraction: float = 0.001) -> Iterator[tuple[list[Message], str]]:
+    """(messages, location) for every record of the files (.jsonl(.gz/.zst), .parquet, .arrow, HF datasets
+    folders: `shardlm.data.readers`), in order. A record that is not JSON, not an object or of no known shape
+    is skipped and counted with its location; past `max_bad_fraction` of them, a DataError naming the first."""
+    bad = BadRecords()
+    for unit in plan_units([Path(f) for f in files]):
+        for record, where in read_records(unit, bad):
             try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{where}: not valid JSON ({e.msg})") from None
-            yield record_to_messages(record, where), where
+                messages = record_to_messages(record, where)
+            except DataError as e:
+                reason, _, detail = str(e).removeprefix(f"{where}: ").partition("; ")
+                bad.add_bad(where, reason, detail)
+                bad.total -= 1  # read_records counted it among the records already
+                continue
+            yield messages, where
+    bad.check(max_bad_fraction)
+    if line := bad.line():
+        print(f"shardlm: warning: {line}", file=sys.stderr, flush=True)
 
 
 # -- templates -------------------------------------------------------------------------------------
@@ -417,8 +418,8 @@ def load_template(tokenizer, tokenizer_dir: str | Path | None) -> ChatTemplate |
 
 def build_sft_loader(files: Sequence[Path], tokenizer, tokenizer_dir: str | Path | None, *, seq_len: int,
                      micro_batch_size: int, grad_accum: int, dp_rank: int = 0, dp_size: int = 1, seed: int = 0,
-                     shuffle: bool = True, pack: bool = True,
-                     document_mask: bool = False) -> tuple[SFTLoader, dict]:
+                     shuffle: bool = True, pack: bool = True, document_mask: bool = False,
+                     max_bad_fraction: float = 0.001) -> tuple[SFTLoader, dict]:
     """Read, render, tokenise and batch SFT records -> (loader, stats).
 
     `tokenizer_dir`: the folder whose chat template renders the records (`tokenizer.directory`;
@@ -429,10 +430,10 @@ def build_sft_loader(files: Sequence[Path], tokenizer, tokenizer_dir: str | Path
     Every rank does the whole (in-memory) pass; the result is deterministic.
     """
     template = load_template(tokenizer, tokenizer_dir)
-    records = list(iter_records(files))
+    records = list(iter_records(files, max_bad_fraction))
     if not records:
         raise DataError(f"no SFT records found in {', '.join(map(str, files)) or 'data.path'} "
-                        f"(each .jsonl line must be one of {SHAPES})")
+                        f"(each record must be one of {SHAPES})")
     samples = list(tokenize_records(records, tokenizer, template))
     loader = SFTLoader(samples, seq_len, micro_batch_size, grad_accum, dp_rank, dp_size, seed, shuffle, pack,
                        pad_id=tokenizer.eos_id, document_mask=document_mask)

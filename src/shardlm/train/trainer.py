@@ -453,6 +453,7 @@ class Trainer:
                        "elapsed_s": time.perf_counter() - start, **self.step_times_record()}
                 records.append(rec)
                 self.metrics.log(rec)
+                self.log_mixture(final=self.step == t.steps)
             self.metrics.advance(loss_v)
             if save_now:
                 wd.enter("checkpoint save")
@@ -493,6 +494,15 @@ class Trainer:
             raise DataError(f"data.sources: the epochs caps allow {cap:,} samples, train.steps="
                             f"{self.cfg.train.steps} needs {need:,}; raise the caps or lower train.steps")
         self.log(order.describe())
+
+    def log_mixture(self, final: bool) -> None:
+        """A mixture's realised shares: when a source runs out (epochs cap) and at the last step."""
+        if not isinstance(self.loader, MixtureLoader):
+            return
+        gone = self.loader.order.exhausted()
+        if final or gone != getattr(self, "_exhausted", []):
+            self._exhausted = gone
+            self.log(self.loader.order.describe())
 
     def data_note(self) -> str:
         """`3 files`, `store NAME`, `mixture of 2 sources`; `, document masks (sdpa-mask: ...)` when on."""
