@@ -196,6 +196,12 @@ def test_the_cache_prepares_once_others_wait_and_a_dead_holder_is_taken_over(tmp
     ensure_cached_store(spec2, cache, log=logs.append, poll_s=0.05)
     assert logs[0] == f"data: took over the preparation of {cache / spec2.key()} from a process that is gone"
     assert not (cache / f"{spec2.key()}.lock").exists()
+    # a live pid that is not the holder any more (reused: another start time) is a dead holder too
+    reused = cache / "reused.lock"
+    reused.write_text(json.dumps({"host": S._host(), "pid": os.getpid(), "pid_start": "0"}))
+    assert S._Lock(reused).remove_if_stale() and not reused.exists()
+    reused.write_text(json.dumps({"host": S._host(), "pid": os.getpid(), "pid_start": S._proc_start(os.getpid())}))
+    assert not S._Lock(reused).remove_if_stale()
     # another host's lock is trusted until it is LOCK_STALE_S old
     spec3 = _spec(tmp_path / "src", seed=2, val_fraction=0.1)
     other = cache / f"{spec3.key()}.lock"

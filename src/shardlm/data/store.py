@@ -41,6 +41,7 @@ from shardlm.data.readers import BadRecords, Unit, plan_units, read_texts, resol
 from shardlm.data.sources import skipped_line, stdlib_dir
 from shardlm.data.tokenizer import Tokenizer, encode_texts, load_tokenizer
 from shardlm.errors import ConfigError, DataError
+from shardlm.train.rundir import _alive, _proc_start  # the run lock's liveness rule (pid + its start time)
 
 FORMAT, VERSION = "shardlm-token-store", 1
 MANIFEST, TOKENS, INDEX = "manifest.json", "tokens.bin", "docs.idx"
@@ -527,7 +528,7 @@ class _Lock:
         except FileExistsError:
             return False
         with os.fdopen(fd, "w") as f:
-            f.write(json.dumps({"host": _host(), "pid": os.getpid()}))
+            f.write(json.dumps({"host": _host(), "pid": os.getpid(), "pid_start": _proc_start(os.getpid())}))
         self._thread = threading.Thread(target=self._refresh, name="shardlm-store-lock", daemon=True)
         self._thread.start()
         return True
@@ -556,12 +557,7 @@ class _Lock:
         if h is None:
             return False
         if h.get("host") == _host():
-            try:
-                os.kill(int(h["pid"]), 0)
-                return False
-            except ProcessLookupError:
-                pass
-            except (PermissionError, ValueError, KeyError):
+            if not isinstance(h.get("pid"), int) or _alive(h["pid"], h.get("pid_start")):  # pid reuse: start time
                 return False
         elif h["age"] < LOCK_STALE_S:
             return False
