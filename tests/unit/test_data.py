@@ -214,8 +214,11 @@ def test_build_loader_branches_on_the_format_with_one_stats_shape(tmp_path):
             assert stats["template"] is None and len(logs) == 1 and logs.pop().startswith("prepare: wrote ")
         else:
             assert stats["documents"] == stats["samples"] == 5 and stats["template"] == "plain"
-            assert len(logs) == 1 and logs[0].startswith("sft data: 5 samples") and f"{loader.n_rows} rows" in logs[0]
-            assert "plain ### User/### Assistant template," in logs[0] and "plain template" not in logs[0]
+            # SFT records go through a store too: prepared once (a line), then the loader's line
+            assert len(logs) == 2 and logs[0].startswith("prepare: wrote ") and "5 SFT samples" in logs[0]
+            line = logs[1]
+            assert line.startswith("sft data: 5 samples") and f"{loader.n_rows} rows" in line
+            assert "plain ### User/### Assistant template," in line and "plain template" not in line
     assert shapes[0] == shapes[1]
 
 

@@ -36,6 +36,12 @@ from shardlm.models.llama import (
 from shardlm.parallel.ac import apply_ac
 from shardlm.train.step import forward_backward
 
+
+@pytest.fixture(autouse=True)
+def _data_cache(tmp_path, monkeypatch):
+    """build_sft_loader prepares a store in the data cache: a fresh one per test, never ~/.cache."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg-cache"))
+
 VOCAB = 64
 CONFIGS = {
     "gqa": ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=96, vocab_size=VOCAB, max_seq_len=48),

@@ -28,6 +28,12 @@ CHATML = (
     "{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
+
+
+@pytest.fixture(autouse=True)
+def _data_cache(tmp_path, monkeypatch):
+    """build_sft_loader prepares a store in the data cache: a fresh one per test, never ~/.cache."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg-cache"))
 SPECIALS = ["<unk>", "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<s>"]
 
 

@@ -17,7 +17,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
         "(data.path = OUT_DIR). Parallel over --workers processes; the same inputs give the same bytes whatever\n"
         "the workers; a killed prepare continues where it stopped when run again; OUT_DIR appears only when\n"
         "complete. The tokenizer and text field are the training config's (--data.tokenizer, --data.text_field,\n"
-        "or --model.init_from's tokenizer), so the store matches the run.")
+        "or --model.init_from's tokenizer), so the store matches the run. --data.format sft: SFT records\n"
+        "(messages, prompt/completion, alpaca) rendered with the tokenizer folder's chat template, with answer\n"
+        "masks (data.format = \"sft\" trains on it).")
     p.epilog = ("--section.key=value overrides the config (see `shardlm train --help`); data.max_bad_fraction\n"
                 "bounds the share of records that may be skipped as malformed.")
     p.add_argument("paths", nargs="+", metavar="SOURCE... OUT_DIR", help="sources, then the store to write")
@@ -64,7 +66,9 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
     val_files = resolve_sources(args.val) if args.val else []
     tok_spec = cfg.tokenizer_spec()
     tok = load_tokenizer(tok_spec)
+    sft = cfg.data.format == "sft"  # records rendered with the tokenizer folder's chat template (as training)
     spec = PrepareSpec(files, tok_spec, tok.fingerprint, cfg.data.text_field, val_fraction=args.val_fraction,
-                       val_files=val_files, seed=args.seed, chunk_bytes=args.chunk_mb << 20)
+                       val_files=val_files, seed=args.seed, chunk_bytes=args.chunk_mb << 20,
+                       kind=cfg.data.format, template_dir=str(tok.directory) if sft and tok.directory else None)
     prepare(spec, Path(out), workers=args.workers, max_bad_fraction=cfg.data.max_bad_fraction)
     return 0

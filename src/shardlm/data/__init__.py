@@ -1,7 +1,7 @@
 """Data: sources (readers) -> token store (prepare, memmap) -> packed windows (+ document masks) -> one source
 or a mixture -> per-dp-rank micro-batches in the global sample order.
 
-`open_text_stores(cfg, tokenizer)` (before the process group starts) then `build_loader(cfg, tokenizer,
+`open_stores(cfg, tokenizer)` (before the process group starts) then `build_loader(cfg, tokenizer,
 dp_rank, dp_size, stores=...)` builds the loader `data.format` names (text: PackedLoader or MixtureLoader;
 sft: SFTLoader).
 
@@ -15,7 +15,7 @@ import importlib
 from typing import Any
 
 _WHERE = {
-    "MixtureLoader": "loader", "PackedLoader": "loader", "build_loader": "loader", "open_text_stores": "loader",
+    "MixtureLoader": "loader", "PackedLoader": "loader", "build_loader": "loader", "open_stores": "loader",
     "IGNORE_INDEX": "order", "RowLoader": "order", "SampleOrder": "order",
     "builtin_files": "sources", "resolve_files": "sources",
     "TokenStore": "store", "prepare": "store",

@@ -20,14 +20,14 @@ import torch
 from shardlm.data.mixture import MixtureOrder
 from shardlm.data.order import IGNORE_INDEX, RowLoader, SampleOrder
 from shardlm.data.packing import document_rows
-from shardlm.data.sft import build_sft_loader
-from shardlm.data.sources import resolve_files
+from shardlm.data.chat import SHAPES, load_template
+from shardlm.data.sft import SFTLoader, SFTSamples, sft_stats
 from shardlm.data.store import TokenStore, ensure_cached_store, files_spec, is_store
 from shardlm.data.tokenizer import Tokenizer
-from shardlm.errors import DataError
+from shardlm.errors import ConfigError, DataError
 
 __all__ = ["IGNORE_INDEX", "MixtureLoader", "PackedLoader", "build_loader", "build_text_loader", "data_stats",
-           "default_cache_dir", "open_text_stores", "open_val_store"]
+           "default_cache_dir", "open_stores", "open_val_store"]
 
 
 _TEMPLATE_WORDS = {"chat_template": "the tokenizer's chat template", "plain": "plain ### User/### Assistant template"}
@@ -92,25 +92,42 @@ def _source_list(cfg) -> list[tuple[str, float, float | None, str]]:
     return [(s.path, s.weight, s.epochs, s.text_field or d.text_field) for s in d.sources]
 
 
-def open_text_stores(cfg, tokenizer: Tokenizer, log: Callable[[str], None] = print,
+def _open_store(cfg, path: str, tokenizer: Tokenizer, what: str = "data.path") -> TokenStore:
+    """A store named by the config: its kind must be data.format's, its tokenizer (and, for SFT, its chat
+    template) the run's."""
+    store = TokenStore.open(path)
+    fmt = cfg.data.format
+    if store.kind != fmt:
+        how = "`shardlm prepare ... --data.format sft`" if fmt == "sft" else "`shardlm prepare` (data.format=text)"
+        raise ConfigError(f"{what} {path!r} is a token store of {store.kind} data but data.format={fmt}; "
+                          f"set data.format={store.kind}, or prepare the files with {how}")
+    store.check_tokenizer(tokenizer, "the run's tokenizer" if what != "data.path" else "the model's tokenizer")
+    if fmt == "sft":
+        store.check_template(load_template(tokenizer, tokenizer.directory))
+    return store
+
+
+def open_stores(cfg, tokenizer: Tokenizer, log: Callable[[str], None] = print,
                      wait_log: Callable[[str], None] | None = None) -> list[TokenStore]:
-    """The token store of data.path (or of each source): opened when it is one (its tokenizer must be the
-    run's), else prepared from the raw files in data.cache_dir (`ensure_cached_store`). Call it before the
-    process group starts: a long preparation then never trips a collective's timeout."""
+    """The token store of data.path (or of each source), text or SFT as data.format says: opened when it is
+    one (its tokenizer, and chat template, must be the run's), else prepared from the raw files in
+    data.cache_dir (`ensure_cached_store`). Call it before the process group starts: a long preparation then
+    never trips a collective's timeout."""
     d = cfg.data
     cache = Path(d.cache_dir) if d.cache_dir else default_cache_dir()
     stores = []
     for path, _, _, text_field in _source_list(cfg):
         if is_store(path):
-            store = TokenStore.open(path)
-            store.check_tokenizer(tokenizer)
-            if store.manifest.get("text_field") != text_field and text_field != "text":
+            store = _open_store(cfg, path, tokenizer)
+            if d.format == "text" and store.manifest.get("text_field") != text_field and text_field != "text":
                 log(f"data: note: {store.path} was prepared from field {store.manifest.get('text_field')!r}; "
                     f"data.text_field={text_field!r} does not apply to a store")
         else:
-            spec = files_spec(path, tokenizer, cfg.tokenizer_spec(), text_field)
+            spec = files_spec(path, tokenizer, cfg.tokenizer_spec(), text_field, d.format)
             store = ensure_cached_store(spec, cache, workers=d.prepare_workers, max_bad_fraction=d.max_bad_fraction,
                                         log=log, wait_log=wait_log)
+        if d.format == "sft" and store.documents == 0:
+            raise DataError(f"no SFT records found in {path} (each record must be one of {SHAPES})")
         if store.n_tokens == 0:
             raise DataError(f"the corpus is empty: no non-empty documents found in {path}")
         stores.append(store)
@@ -124,14 +141,12 @@ def open_val_store(cfg, tokenizer: Tokenizer, log: Callable[[str], None] = print
     d = cfg.data
     if d.val_path:
         if is_store(d.val_path):
-            store = TokenStore.open(d.val_path)
-            store.check_tokenizer(tokenizer, "the run's tokenizer")
-            return store
+            return _open_store(cfg, d.val_path, tokenizer, "data.val_path")
         cache = Path(d.cache_dir) if d.cache_dir else default_cache_dir()
-        spec = files_spec(d.val_path, tokenizer, cfg.tokenizer_spec(), d.text_field)
+        spec = files_spec(d.val_path, tokenizer, cfg.tokenizer_spec(), d.text_field, d.format)
         return ensure_cached_store(spec, cache, workers=d.prepare_workers, max_bad_fraction=d.max_bad_fraction,
                                    log=log, wait_log=wait_log)
-    if not d.sources and d.format == "text" and is_store(d.path):
+    if not d.sources and is_store(d.path):
         return TokenStore.open(d.path).val()
     return None
 
@@ -179,27 +194,25 @@ def data_stats(format: str, *, documents: int, samples: int, tokens: int, loss_t
 
 
 def build_loader(cfg, tokenizer: Tokenizer, dp_rank: int, dp_size: int, log: Callable[[str], None] = print,
-                 files: list[Path] | None = None, stores: list[TokenStore] | None = None) -> tuple[RowLoader, dict]:
+                 stores: list[TokenStore] | None = None) -> tuple[RowLoader, dict]:
     """The loader `cfg.data.format` names, for this dp rank, and its stats (`data_stats`).
 
-    text: the token store(s) (`stores`, default `open_text_stores`) as a PackedLoader, or a MixtureLoader over
-    [[data.sources]]; sft: `shardlm.data.sft.build_sft_loader` with the tokenizer's folder's chat template
-    (every rank reads the records; it logs one line about them). `files` defaults to the files of data.path.
+    text: the token store(s) (`stores`, default `open_stores`) as a PackedLoader, or a MixtureLoader over
+    [[data.sources]]; sft: an SFTLoader over the SFT store (samples rendered with the tokenizer's folder's chat
+    template; it logs one line about them).
     """
     d, t = cfg.data, cfg.train
-    order = dict(seq_len=d.seq_len, micro_batch_size=t.micro_batch_size, grad_accum=t.grad_accum, dp_rank=dp_rank,
-                 dp_size=dp_size, seed=t.seed, shuffle=d.shuffle)
+    stores = open_stores(cfg, tokenizer, log) if stores is None else stores
     if d.format == "sft":
-        files = resolve_files(d.path) if files is None else files
-        loader, s = build_sft_loader(files, tokenizer, tokenizer.directory, pack=d.pack,
-                                     document_mask=d.document_mask, max_bad_fraction=d.max_bad_fraction, **order)
+        loader = SFTLoader(SFTSamples.from_store(stores[0]), d.seq_len, t.micro_batch_size, t.grad_accum, dp_rank,
+                           dp_size, t.seed, d.shuffle, d.pack, pad_id=tokenizer.eos_id, document_mask=d.document_mask)
+        s = sft_stats(loader, stores[0], stores[0].manifest["template"]["name"])
         log(f"sft data: {s['samples']} samples ({s['truncated']} truncated to data.seq_len, "
             f"{s['dropped']} dropped with no answer left), {s['loss_tokens']} loss tokens, "
             f"{_TEMPLATE_WORDS.get(s['template'], s['template'])}, {'packed' if d.pack else 'padded'} into {loader.n_rows} rows")
         return loader, data_stats("sft", documents=s["records"], samples=s["samples"], tokens=s["tokens"],
                                   loss_tokens=s["loss_tokens"], rows=s["rows"], fill=s["fill"],
                                   truncated=s["truncated"], dropped=s["dropped"], template=s["template"])
-    stores = open_text_stores(cfg, tokenizer, log) if stores is None else stores
     loader = build_text_loader(cfg, stores, dp_rank, dp_size, log)
     docs, tokens = sum(s.documents for s in stores), sum(s.n_tokens for s in stores)
     return loader, data_stats("text", documents=docs, samples=docs, tokens=tokens,

@@ -8,6 +8,14 @@ A store is a directory:
     docs.idx        int64 offsets: document d is tokens[idx[d] : idx[d + 1]] (documents + 1 entries)
     val/            (optional) the held-out validation store, same layout
 
+A store of kind "sft" (`--data.format sft`) holds one SFT sample per document instead (a rendered, tokenised
+conversation, `shardlm.data.chat`; no EOS added: the template has its own end markers), and two more files:
+
+    mask.bin        one byte per token: 1 where the token is part of an answer (a loss target)
+    answers.idx     int64 pairs per sample: first answer position >= 1 (0: none), answer tokens at positions >= 1
+
+Its manifest also names the chat template (its fingerprint: the template shapes the ids and the masks).
+
 `prepare()` builds one. The input is cut into units (`shardlm.data.readers.plan_units`: a row group, a record
 batch, a byte range of a .jsonl, a file), each tokenised on its own by a pool of worker processes into
 `<out>.partial/parts/`, then the parts are concatenated in unit order: the bytes do not depend on the number of
@@ -45,6 +53,7 @@ from shardlm.train.rundir import _alive, _proc_start  # the run lock's liveness 
 
 FORMAT, VERSION = "shardlm-token-store", 1
 MANIFEST, TOKENS, INDEX = "manifest.json", "tokens.bin", "docs.idx"
+MASK, ANSWERS = "mask.bin", "answers.idx"  # kind "sft" only
 STORE_PREFIX = "store:"
 COPY_BYTES = 16 << 20
 
@@ -73,6 +82,13 @@ class TokenStore:
     manifest: dict
     tokens: np.ndarray
     starts: np.ndarray  # documents + 1 offsets into tokens
+    mask: np.ndarray | None = None  # kind "sft": uint8 per token, 1 on answer tokens
+    answers: np.ndarray | None = None  # kind "sft": (documents, 2) int64, see the module docstring
+
+    @property
+    def kind(self) -> str:
+        """"text" (documents, each ending in EOS) or "sft" (samples with answer masks)."""
+        return self.manifest.get("kind", "text")
 
     @property
     def documents(self) -> int:
@@ -102,7 +118,10 @@ class TokenStore:
                             "with this shardlm")
         dtype = np.dtype(manifest["dtype"])
         n_tok, n_docs = int(manifest["tokens"]), int(manifest["documents"])
-        for name, want in ((TOKENS, n_tok * dtype.itemsize), (INDEX, (n_docs + 1) * 8)):
+        sft = manifest.get("kind", "text") == "sft"
+        files = [(TOKENS, n_tok * dtype.itemsize), (INDEX, (n_docs + 1) * 8)]
+        files += [(MASK, n_tok), (ANSWERS, n_docs * 16)] if sft else []
+        for name, want in files:
             f = path / name
             have = f.stat().st_size if f.is_file() else None
             if have != want:
@@ -111,7 +130,12 @@ class TokenStore:
                                 "store again")
         tokens = np.memmap(path / TOKENS, dtype=dtype, mode="r") if n_tok else np.zeros(0, dtype)
         starts = np.memmap(path / INDEX, dtype=np.int64, mode="r")
-        return cls(path, manifest, tokens, starts)
+        if not sft:
+            return cls(path, manifest, tokens, starts)
+        mask = np.memmap(path / MASK, dtype=np.uint8, mode="r") if n_tok else np.zeros(0, np.uint8)
+        answers = np.memmap(path / ANSWERS, dtype=np.int64, mode="r", shape=(n_docs, 2)) if n_docs \
+            else np.zeros((0, 2), np.int64)
+        return cls(path, manifest, tokens, starts, mask, answers)
 
     def check_tokenizer(self, tokenizer: Tokenizer, what: str = "the model's tokenizer") -> None:
         """The store's ids must be the tokenizer's: one line naming both when they are not."""
@@ -121,9 +145,17 @@ class TokenStore:
                               f"{t['fingerprint']}), but {what} is {tokenizer.fingerprint}: prepare the store "
                               "with the run's tokenizer (--data.tokenizer) or set data.tokenizer to the store's")
 
+    def check_template(self, template, what: str = "the run's chat template") -> None:
+        """An SFT store's samples were rendered with a template: it must be the run's (one line otherwise)."""
+        t = self.manifest.get("template") or {}
+        if t.get("fingerprint") != template.fingerprint:
+            raise ConfigError(f"token store {self.path} was rendered with the {t.get('name', '?')} template "
+                              f"({t.get('fingerprint')}), but {what} is {template.name} ({template.fingerprint}): "
+                              "prepare the store again with the run's tokenizer folder (its chat template)")
+
     def verify(self) -> None:
         """Recompute the checksums (reads every byte)."""
-        for name in (TOKENS, INDEX):
+        for name in self.manifest["sha256"]:
             if _sha256(self.path / name) != self.manifest["sha256"][name]:
                 raise DataError(f"token store {self.path}: {name} does not match its checksum; the copy is "
                                 "corrupt: copy or prepare the store again")
@@ -154,10 +186,20 @@ class PrepareSpec:
     val_files: list[Path] = field(default_factory=list)
     seed: int = 0
     chunk_bytes: int = 0  # 0: auto_chunk_bytes(files), resolved at construction (it shapes the units, so the key)
+    kind: str = "text"  # or "sft": records -> samples with answer masks
+    template_dir: str | None = None  # sft: the folder whose chat template renders the records (None: plain)
+    template: dict | None = None  # sft: {"name", "fingerprint"} of that template (set at construction)
 
     def __post_init__(self) -> None:
         if not self.chunk_bytes:
             self.chunk_bytes = auto_chunk_bytes(self.files + self.val_files)
+        if self.kind not in ("text", "sft"):
+            raise ValueError(f"kind must be text or sft, got {self.kind!r}")
+        if self.kind == "sft" and self.template is None:
+            from shardlm.data.chat import load_template
+
+            t = load_template(load_tokenizer(self.tokenizer), self.template_dir)
+            self.template = {"name": t.name, "fingerprint": t.fingerprint}
 
     def sources(self, files: list[Path] | None = None) -> list[dict]:
         out = []
@@ -167,9 +209,10 @@ class PrepareSpec:
         return out
 
     def to_dict(self) -> dict:
-        return {"sources": self.sources(), "val_sources": self.sources(self.val_files),
-                "tokenizer": self.fingerprint, "text_field": self.text_field, "val_fraction": self.val_fraction,
-                "seed": self.seed, "chunk_bytes": self.chunk_bytes}
+        d = {"sources": self.sources(), "val_sources": self.sources(self.val_files),
+             "tokenizer": self.fingerprint, "text_field": self.text_field, "val_fraction": self.val_fraction,
+             "seed": self.seed, "chunk_bytes": self.chunk_bytes}
+        return d if self.kind == "text" else {**d, "kind": self.kind, "template": self.template}
 
     def key(self) -> str:
         blob = json.dumps({"format": FORMAT, "version": VERSION, **self.to_dict()}, sort_keys=True)
@@ -205,10 +248,15 @@ def in_val(text: str, seed: int, fraction: float) -> bool:
 _W: dict[str, Any] = {}
 
 
-def _init_worker(tokenizer: str, counters: Any, pool: bool = True) -> None:
+def _init_worker(tokenizer: str, counters: Any, pool: bool = True, kind: str = "text",
+                 template_dir: str | None = None) -> None:
     if pool:
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # one process per core already
     _W["tok"], _W["counters"] = load_tokenizer(tokenizer), counters
+    if kind == "sft":
+        from shardlm.data.chat import load_template
+
+        _W["template"] = load_template(_W["tok"], template_dir)
 
 
 def _ext(base: Path, ext: str) -> Path:
@@ -217,24 +265,40 @@ def _ext(base: Path, ext: str) -> Path:
 
 
 class _Part:
-    """One output (train or val) of one unit: ids appended to a .bin, document lengths collected."""
+    """One output (train or val) of one unit: ids appended to a .bin, document lengths collected; with `sft`,
+    samples: ids (no EOS added) with their answer mask (.mask) and per-sample answer info (.ans)."""
 
-    def __init__(self, path: Path, dtype: np.dtype, eos: int):
-        self.path, self.dtype = path, dtype
+    def __init__(self, path: Path, dtype: np.dtype, eos: int, sft: bool = False):
+        self.path, self.dtype, self.sft = path, dtype, sft
         self.eos = np.array([eos], dtype=dtype).tobytes()
         self.f = open(_ext(path, ".bin.tmp"), "wb")
+        self.m = open(_ext(path, ".mask.tmp"), "wb") if sft else None
         self.lengths: list[int] = []
+        self.answers: list[tuple[int, int]] = []
 
     def add(self, ids: np.ndarray) -> None:
         self.f.write(ids.astype(self.dtype, copy=False).tobytes())
         self.f.write(self.eos)
         self.lengths.append(int(ids.size) + 1)
 
+    def add_sample(self, ids: np.ndarray, mask: np.ndarray) -> None:
+        from shardlm.data.chat import answer_info
+
+        self.f.write(ids.astype(self.dtype, copy=False).tobytes())
+        self.m.write(np.asarray(mask, dtype=np.uint8).tobytes())  # type: ignore[union-attr]
+        self.lengths.append(int(ids.size))
+        self.answers.append(answer_info(mask))
+
     def finish(self) -> dict:
         self.f.close()
+        names = [".bin", ".len"]
         np.asarray(self.lengths, dtype=np.int64).tofile(_ext(self.path, ".len.tmp"))
-        os.replace(_ext(self.path, ".bin.tmp"), _ext(self.path, ".bin"))
-        os.replace(_ext(self.path, ".len.tmp"), _ext(self.path, ".len"))
+        if self.m is not None:
+            self.m.close()
+            np.asarray(self.answers, dtype=np.int64).reshape(-1, 2).tofile(_ext(self.path, ".ans.tmp"))
+            names += [".mask", ".ans"]
+        for ext in names:
+            os.replace(_ext(self.path, ext + ".tmp"), _ext(self.path, ext))
         return {"documents": len(self.lengths), "tokens": int(sum(self.lengths))}
 
 
@@ -263,16 +327,20 @@ def _groups(units: list[Unit], group_bytes: int) -> list[list[Unit]]:
     return out
 
 
-def _prepare_unit(job: tuple[int, list[Unit], str, str, str, float, int, str, int]) -> dict:
-    """Tokenise one group of units into parts/<split>-<i>.{bin,len} (+ .val.*); its .json, written last, marks
-    it done."""
-    i, units, split, parts, text_field, val_fraction, seed, dtype_name, eos = job
+def _prepare_unit(job: tuple[int, list[Unit], str, str, str, float, int, str, int, str]) -> dict:
+    """Tokenise one group of units into parts/<split>-<i>.{bin,len} (+ .val.*; sft: + .mask, .ans); its .json,
+    written last, marks it done."""
+    i, units, split, parts, text_field, val_fraction, seed, dtype_name, eos, kind = job
     tok, counters = _W["tok"], _W.get("counters")
     dtype, base = np.dtype(dtype_name), Path(parts) / f"{split}-{i:06d}"
     bad = BadRecords()
-    train = _Part(base, dtype, eos)
-    val = _Part(base.with_name(base.name + ".val"), dtype, eos) if val_fraction > 0 else None
+    sft = kind == "sft"
+    train = _Part(base, dtype, eos, sft)
+    val = _Part(base.with_name(base.name + ".val"), dtype, eos, sft) if val_fraction > 0 else None
     pending = [0, 0]
+    if sft:
+        _sft_unit(units, tok, _W["template"], train, val, seed, val_fraction, bad, counters, pending)
+        return _finish_unit(i, base, train, val, bad, [], counters, pending)
 
     stdlib_skipped: list[tuple[str, str]] = []
 
@@ -295,6 +363,36 @@ def _prepare_unit(job: tuple[int, list[Unit], str, str, str, float, int, str, in
             buffered = []
     if buffered:
         _encode_into(tok, buffered, train, val, seed, val_fraction, counters, pending)
+    return _finish_unit(i, base, train, val, bad, stdlib_skipped, counters, pending)
+
+
+def _sft_unit(units: list[Unit], tok: Tokenizer, template: Any, train: _Part, val: _Part | None, seed: int,
+              fraction: float, bad: BadRecords, counters: Any, pending: list[int]) -> None:
+    """SFT records -> rendered, tokenised samples (ids + answer mask), 256 records at a time."""
+    from shardlm.data.chat import record_key, tokenize_records, unit_messages
+
+    def flush(batch: list) -> None:
+        for (ids, mask), (messages, _) in zip(tokenize_records(batch, tok, template), batch):
+            split_val = val is not None and in_val(record_key(messages), seed, fraction)
+            (val if split_val else train).add_sample(ids, mask)  # type: ignore[union-attr]
+            pending[0] += 1
+            pending[1] += ids.size
+        if pending[1] > 1 << 16:
+            _count(counters, pending)
+
+    batch: list = []
+    for unit in units:
+        for record in unit_messages(unit, bad):
+            batch.append(record)
+            if len(batch) >= 256:
+                flush(batch)
+                batch = []
+    if batch:
+        flush(batch)
+
+
+def _finish_unit(i: int, base: Path, train: _Part, val: _Part | None, bad: BadRecords, stdlib_skipped: list,
+                 counters: Any, pending: list[int]) -> dict:
     _count(counters, pending)
     result = {"unit": i, "train": train.finish(), "val": val.finish() if val else None, "bad": bad.to_dict(),
               "stdlib_skipped": stdlib_skipped}
@@ -395,7 +493,8 @@ def prepare(spec: PrepareSpec, out: Path, *, workers: int = 0, max_bad_fraction:
     jobs = []
     for split, files, fraction in (("train", spec.files, spec.val_fraction), ("val", spec.val_files, 0.0)):
         for i, group in enumerate(_groups(plan_units(files, spec.chunk_bytes), spec.chunk_bytes // 8) if files else []):
-            jobs.append((i, group, split, str(parts), spec.text_field, fraction, spec.seed, dtype.name, tok.eos_id))
+            jobs.append((i, group, split, str(parts), spec.text_field, fraction, spec.seed, dtype.name, tok.eos_id,
+                         spec.kind))
     done = {(j[2], j[0]) for j in jobs if (parts / f"{j[2]}-{j[0]:06d}.json").is_file()}
     todo = [j for j in jobs if (j[2], j[0]) not in done]
     if done:
@@ -409,12 +508,12 @@ def prepare(spec: PrepareSpec, out: Path, *, workers: int = 0, max_bad_fraction:
     bar = _Progress(counters, len(jobs), len(done), log, progress)
     try:
         if workers == 1 or len(todo) <= 1:
-            _init_worker(spec.tokenizer, counters, pool=False)
+            _init_worker(spec.tokenizer, counters, False, spec.kind, spec.template_dir)
             for job in todo:
                 _prepare_unit(job)
                 bar.update(1)
         else:
-            with ctx.Pool(workers, initializer=_init_worker, initargs=(spec.tokenizer, counters)) as pool:
+            with ctx.Pool(workers, initializer=_init_worker, initargs=(spec.tokenizer, counters, True, spec.kind, spec.template_dir)) as pool:
                 results = pool.imap_unordered(_prepare_unit, todo)
                 while True:
                     try:
@@ -459,9 +558,10 @@ def prepare(spec: PrepareSpec, out: Path, *, workers: int = 0, max_bad_fraction:
     shutil.rmtree(work, ignore_errors=True)
     store = TokenStore.open(out)
     took = time.monotonic() - t0
-    log(f"prepare: wrote {out}: {store.documents:,} documents, {store.n_tokens:,} tokens "
+    docs = "SFT samples" if spec.kind == "sft" else "documents"
+    log(f"prepare: wrote {out}: {store.documents:,} {docs}, {store.n_tokens:,} tokens "
         f"({store.tokens.dtype.name}) in {took:.1f}s with {workers} worker{'s' if workers > 1 else ''}"
-        + (f"; validation: {store.val().documents:,} documents, {store.val().n_tokens:,} tokens"  # type: ignore[union-attr]
+        + (f"; validation: {store.val().documents:,} {docs}, {store.val().n_tokens:,} tokens"  # type: ignore[union-attr]
            if store.val() is not None else ""))
     if line := bad.line():
         print(f"shardlm: warning: {line}", file=sys.stderr, flush=True)
@@ -472,26 +572,33 @@ def _assemble(bases: list[Path], dest: Path, spec: PrepareSpec, key: str, tok: T
               split: str, bad: BadRecords, val: dict | None, files: list[Path] | None = None) -> None:
     """Concatenate the parts `bases` (<base>.bin, <base>.len) in order into dest/{tokens.bin,docs.idx}, then
     write its manifest."""
-    h_tok, h_idx = hashlib.sha256(), hashlib.sha256()
+    sft = spec.kind == "sft"
+    copied = [(TOKENS, ".bin"), *([(MASK, ".mask"), (ANSWERS, ".ans")] if sft else [])]  # parts joined as they are
+    hashes = {name: hashlib.sha256() for name in [TOKENS, INDEX] + [n for n, _ in copied[1:]]}
+    outs = {name: open(dest / name, "wb") for name in hashes}
     n_docs = n_tok = 0
-    with open(dest / TOKENS, "wb") as t_out, open(dest / INDEX, "wb") as i_out:
-        zero = np.zeros(1, np.int64).tobytes()
-        i_out.write(zero)
-        h_idx.update(zero)
+
+    def put(name: str, data: bytes) -> None:
+        outs[name].write(data)
+        hashes[name].update(data)
+
+    try:
+        put(INDEX, np.zeros(1, np.int64).tobytes())
         for base in bases:
-            with open(_ext(base, ".bin"), "rb") as f:
-                while chunk := f.read(COPY_BYTES):
-                    t_out.write(chunk)
-                    h_tok.update(chunk)
+            for name, ext in copied:
+                with open(_ext(base, ext), "rb") as f:
+                    while chunk := f.read(COPY_BYTES):
+                        put(name, chunk)
             lengths = np.fromfile(_ext(base, ".len"), dtype=np.int64)
-            ends = (np.cumsum(lengths) + n_tok).astype(np.int64).tobytes()
-            i_out.write(ends)
-            h_idx.update(ends)
+            put(INDEX, (np.cumsum(lengths) + n_tok).astype(np.int64).tobytes())
             n_docs += lengths.size
             n_tok += int(lengths.sum())
-        for f in (t_out, i_out):
+        for f in outs.values():
             f.flush()
             os.fsync(f.fileno())
+    finally:
+        for f in outs.values():
+            f.close()
     manifest = {
         "format": FORMAT, "version": VERSION, "key": key, "split": split,
         "tokenizer": {"spec": spec.tokenizer if spec.tokenizer == "bytes" else str(Path(spec.tokenizer).resolve()),
@@ -499,8 +606,10 @@ def _assemble(bases: list[Path], dest: Path, spec: PrepareSpec, key: str, tok: T
         "dtype": dtype.name, "documents": n_docs, "tokens": n_tok, "text_field": spec.text_field,
         "sources": spec.sources(spec.files if files is None else files),
         "val": val,
-        "bad_records": bad.to_dict(), "sha256": {TOKENS: h_tok.hexdigest(), INDEX: h_idx.hexdigest()},
+        "bad_records": bad.to_dict(), "sha256": {name: h.hexdigest() for name, h in hashes.items()},
     }
+    if sft:
+        manifest |= {"kind": "sft", "template": spec.template}
     (dest / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
 
 
@@ -620,10 +729,26 @@ def remove_abandoned(cache_dir: Path, keep: str) -> int:
     return removed
 
 
-def files_spec(data_path: str, tokenizer: Tokenizer, tokenizer_spec: str, text_field: str) -> PrepareSpec:
-    """The PrepareSpec of training on the raw files of `data_path` (no validation split)."""
+def files_spec(data_path: str, tokenizer: Tokenizer, tokenizer_spec: str, text_field: str,
+               kind: str = "text") -> PrepareSpec:
+    """The PrepareSpec of training on the raw files of `data_path` (no validation split); kind "sft": the
+    records rendered with the chat template of the tokenizer's folder."""
+    if kind == "sft":
+        return sft_spec(resolve_sources(data_path), tokenizer, tokenizer.directory, tokenizer_spec)
     return PrepareSpec(resolve_sources(data_path), tokenizer_spec, tokenizer.fingerprint, text_field)
 
 
+def sft_spec(files: list[Path], tokenizer: Tokenizer, template_dir: str | Path | None,
+             tokenizer_spec: str | None = None) -> PrepareSpec:
+    """The PrepareSpec of SFT records in `files`, rendered with the chat template of `template_dir` (None, or a
+    folder without one: the plain template)."""
+    from shardlm.data.chat import load_template
+
+    t = load_template(tokenizer, template_dir)
+    return PrepareSpec(files, tokenizer_spec or tokenizer.spec, tokenizer.fingerprint, kind="sft",
+                       template_dir=None if template_dir is None else str(template_dir),
+                       template={"name": t.name, "fingerprint": t.fingerprint})
+
+
 __all__ = ["FORMAT", "MANIFEST", "PrepareSpec", "auto_chunk_bytes", "STORE_PREFIX", "TokenStore", "VERSION", "ensure_cached_store",
-           "files_spec", "in_val", "is_store", "prepare", "store_path", "token_dtype"]
+           "files_spec", "in_val", "is_store", "prepare", "sft_spec", "store_path", "token_dtype"]

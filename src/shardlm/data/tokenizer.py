@@ -20,6 +20,7 @@ class ByteTokenizer:
     vocab_size = 257
     eos_id = 256
     fingerprint = "bytes-v1"
+    spec = "bytes"  # what load_tokenizer takes to make it again (e.g. in a worker process)
     directory = None  # no files (an HF tokenizer's folder holds its chat template and config)
 
     def encode(self, text: str) -> list[int]:
@@ -46,6 +47,7 @@ class HFTokenizer:
             raise DataError(f"tokenizer {str(path)!r} has none of the end-of-text tokens {', '.join(_EOS_CANDIDATES)}")
         self.eos_id = eos
         self.fingerprint = "hf-" + hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+        self.spec = str(path)
         self.directory = path.parent  # tokenizer_config.json (chat template) and friends live here
 
     def encode(self, text: str) -> list[int]:

@@ -19,7 +19,7 @@ from shardlm.checkpoint import Checkpointer
 from shardlm.checkpoint.lineage import current_lineage, tokenizer_fingerprint
 from shardlm.checkpoint.meta import CheckpointMeta
 from shardlm.config import Config
-from shardlm.data import MixtureLoader, build_loader, load_tokenizer, open_text_stores, resolve_files
+from shardlm.data import MixtureLoader, build_loader, load_tokenizer, open_stores
 from shardlm.data.loader import IGNORE_INDEX, open_val_store
 from shardlm.data.store import is_store
 from shardlm.models.llama import document_attention_backend
@@ -107,14 +107,12 @@ class Trainer:
         self.dims, self.dims_reason = resolve_dims(
             cfg.parallel, topo, lambda: model_state_bytes(cfg, self.model_cfg),
             device_memory_bytes(dev_type, int(os.environ.get("LOCAL_RANK", "0")), topo.ranks_per_node))
-        # Text data comes from token stores; raw files are prepared into one now, before the process group
-        # starts (no collective waits on it, so no timeout can fire), once per shared filesystem.
+        # Data comes from token stores (text or SFT); raw files are prepared into one now, before the process
+        # group starts (no collective waits on it, so no timeout can fire), once per shared filesystem.
         first = os.environ.get("RANK", "0") == "0"
-        self.files = resolve_files(cfg.data.path) if cfg.data.format == "sft" else None
         say = lambda line: print(line, flush=True)  # noqa: E731
         quiet = say if first else (lambda line: None)
-        self.stores = None if self.files is not None else open_text_stores(cfg, self.tokenizer, log=say,
-                                                                           wait_log=quiet)
+        self.stores = open_stores(cfg, self.tokenizer, log=say, wait_log=quiet)
         self.val_store = open_val_store(cfg, self.tokenizer, log=say, wait_log=quiet)
         if self.val_store is not None and first:
             say(f"data: validation store {self.val_store.path}: {self.val_store.documents:,} documents, "
@@ -325,7 +323,7 @@ class Trainer:
         self.checkpointer.save(self.step, final=final, blocking=blocking)
 
     def build_data(self):
-        return build_loader(self.cfg, self.tokenizer, dp_rank(self.mesh), self.dims.dp, log=self.log, files=self.files,
+        return build_loader(self.cfg, self.tokenizer, dp_rank(self.mesh), self.dims.dp, log=self.log,
                             stores=self.stores)
 
     def train_step(self, batches: list[Batch], stop_requested: bool = False) -> StepResult:
@@ -506,9 +504,7 @@ class Trainer:
 
     def data_note(self) -> str:
         """`3 files`, `store NAME`, `mixture of 2 sources`; `, document masks (sdpa-mask: ...)` when on."""
-        if self.files is not None:
-            note = f"{len(self.files)} files"
-        elif len(self.stores) > 1:
+        if len(self.stores) > 1:
             note = f"mixture of {len(self.stores)} sources"
         elif is_store(self.cfg.data.path):
             note = f"store {self.stores[0].path}"
