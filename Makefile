@@ -27,13 +27,19 @@ $(VENV)/.core: $(VENV)/.base pyproject.toml
 	@touch $@
 
 $(VENV)/.dev: $(VENV)/.base pyproject.toml
-	$(PIP) install -e '.[dev,hf,viz,fp8,data]'
+	$(PIP) install -e '.[dev,hf,viz,fp8,data,wandb]'
 	@touch $@ $(VENV)/.core
 
 install: $(VENV)/.core
 
-demo: $(VENV)/.core
+# the demo ends by drawing its curves (runs/demo/plot.png: train.output_dir of configs/demo.toml): needs [viz]
+$(VENV)/.viz: $(VENV)/.core
+	@$(PY) -c "import matplotlib" 2>/dev/null || $(PIP) install -e '.[viz]'
+	@touch $@
+
+demo: $(VENV)/.viz
 	$(VENV)/bin/torchrun --standalone --nproc_per_node $(NPROC) -m shardlm train --config configs/demo.toml
+	$(VENV)/bin/shardlm plot runs/demo
 
 test: $(VENV)/.dev
 	$(PY) -m pytest -q

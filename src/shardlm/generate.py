@@ -1,38 +1,270 @@
-"""Sampling text from a (possibly sharded) model: every rank runs the same steps in lockstep."""
+"""Decoding: prompts in, new tokens out, with a KV cache; one process, or every rank of a sharded model.
+
+    generate_batch(model, prompts, max_new_tokens, sampling=Sampling(...), stop_ids=...) -> [Completion]
+
+How a batch runs: the prompts (token ids) are left-padded into one (B, T) tensor and run once (the
+prefill) into a `KVCache`; then each step feeds one token per row, so a step costs one token's forward
+however long the prefix. Padding is exact: each row's logits are those of the row alone (the cache
+gives each token its own position and keeps padding unread). Prompts are grouped `batch_size` at a
+time, longest first (less padding); the results come back in the order given.
+
+Choosing the next token, per row, on the host in fp32: greedy (argmax, the first of equal maxima, as
+`transformers` does) when `temperature <= 0`; else logits / temperature, then top-k, then top-p (the
+smallest set of tokens whose probability reaches top_p; `transformers`' warpers, in that order), then a
+draw from a generator seeded by (seed, the prompt's index). So a prompt's sample depends on the seed and
+its place in the list, not on the batch size or its neighbours. A row stops at the first stop id (it is
+kept, as `transformers` keeps EOS) or after `max_new_tokens`.
+
+Sharded models (FSDP): every rank must call this with the same prompts and settings. All ranks run the
+same forwards in lockstep (each block all-gathers its parameters) and rank 0's tokens are broadcast
+every step, so the ranks can never drift apart, even where their logits differed in the last bit.
+
+`context` bounds what a row reads: a row longer than that reads only its last `context` tokens (the
+window is re-read from position 0 whenever it moves, which is what training at that length saw).
+`use_cache=False` recomputes the whole window for every token through the training forward (no cache
+at all): the reference the cache is tested against, and the baseline of benchmarks/generate.py.
+"""
 
 from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Sequence
 
 import torch
 from torch import nn
 
+Message = dict[str, str]
 
+
+@dataclass(frozen=True)
+class Sampling:
+    """How the next token is chosen (see the module docstring)."""
+
+    temperature: float = 0.0  # <= 0: greedy
+    top_k: int = 0  # 0: off
+    top_p: float = 1.0  # 1: off
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.top_k < 0 or not 0.0 < self.top_p <= 1.0 or self.temperature != self.temperature:
+            raise ValueError(f"sampling needs top_k >= 0, 0 < top_p <= 1 and a number for temperature; got "
+                             f"top_k={self.top_k}, top_p={self.top_p}, temperature={self.temperature}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0
+
+    def describe(self) -> str:
+        if self.greedy:
+            return "greedy"
+        parts = [f"temperature {self.temperature:g}"]
+        parts += [f"top-k {self.top_k}"] if self.top_k else []
+        parts += [f"top-p {self.top_p:g}"] if self.top_p < 1 else []
+        return f"sampling ({', '.join(parts)}, seed {self.seed})"
+
+
+@dataclass
+class Completion:
+    """One prompt's result: the new ids (a final stop id included) and why it ended."""
+
+    prompt: list[int]
+    ids: list[int] = field(default_factory=list)
+    finish: str = "length"  # "stop": a stop id was generated; "length": max_new_tokens reached
+
+    @property
+    def text_ids(self) -> list[int]:
+        """`ids` without the final stop id (what to print)."""
+        return self.ids[:-1] if self.finish == "stop" else self.ids
+
+
+# -- choosing the next token --------------------------------------------------------------------------
+def top_k_filter(logits: torch.Tensor, k: int) -> torch.Tensor:
+    """(B, V) logits with everything below each row's k-th largest set to -inf (ties kept); k <= 0: unchanged."""
+    if k <= 0 or k >= logits.shape[-1]:
+        return logits
+    kth = torch.topk(logits, k, dim=-1).values[..., -1:]
+    return logits.masked_fill(logits < kth, float("-inf"))
+
+
+def top_p_filter(logits: torch.Tensor, p: float) -> torch.Tensor:
+    """(B, V) logits keeping, per row, the most likely tokens whose probabilities first reach `p` together
+    (at least one); the rest -inf. `transformers`' TopPLogitsWarper; p >= 1: unchanged."""
+    if p >= 1.0:
+        return logits
+    ascending, order = torch.sort(logits, dim=-1)
+    cumulative = ascending.softmax(dim=-1).cumsum(dim=-1)
+    drop = cumulative <= (1 - p)
+    drop[..., -1:] = False  # the most likely token always stays
+    return logits.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
+
+
+def row_generator(seed: int, index: int) -> torch.Generator:
+    """The CPU generator of prompt number `index` (its draws do not depend on the batch it is in)."""
+    return torch.Generator(device="cpu").manual_seed((seed * 1_000_003 + index) % (1 << 63))
+
+
+def next_tokens(logits: torch.Tensor, sampling: Sampling, generators: Sequence[torch.Generator] | None) -> torch.Tensor:
+    """(B,) int64 next ids from (B, V) fp32 host logits; `generators` (one per row) unless greedy."""
+    if sampling.greedy:
+        return logits.argmax(dim=-1)
+    logits = top_p_filter(top_k_filter(logits / sampling.temperature, sampling.top_k), sampling.top_p)
+    probs = logits.softmax(dim=-1)
+    return torch.cat([torch.multinomial(probs[b], 1, generator=g) for b, g in enumerate(generators)])
+
+
+# -- prompts -----------------------------------------------------------------------------------------
 def prompt_ids(tokenizer, prompt: str) -> list[int]:
     """`prompt` encoded; an empty prompt starts at a document boundary (EOS), as each document does in
     the packed training data, so the model samples the start of a document."""
     return tokenizer.encode(prompt) or [tokenizer.eos_id]
 
 
-@torch.no_grad()
-def generate(model: nn.Module, prompt: list[int], max_new_tokens: int, context: int, *,
-             temperature: float = 0.8, top_k: int = 50, seed: int = 0, device: torch.device | None = None) -> list[int]:
-    """Top-k sampling without a KV cache (recomputes the window each token: fine for demos and tests).
+def encode_prompt(tokenizer, prompt: str | list[Message], template: Any = None) -> list[int]:
+    """A prompt's ids as the model saw such text in training or fine-tuning.
 
-    Under FSDP all ranks must call this with the same arguments: the forward all-gathers, and the
-    shared seed keeps every rank's sampled tokens identical.
+    With a chat template (`shardlm.data.sft.ChatTemplate`): the prompt (text = one user message, or a list
+    of messages) rendered with `add_generation_prompt=True` and encoded without added special tokens (the
+    template writes its own), as SFT and `transformers`' `apply_chat_template` do. Messages without a
+    template: SFT's plain format (`### User:` ... `### Assistant:`). Plain text: encoded with the
+    tokenizer's own special tokens (an HF tokenizer's BOS, as `transformers`' `tokenizer(text)`); an
+    empty prompt is [EOS] (`prompt_ids`).
+    """
+    if template is not None:
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+        return tokenizer.encode(template.render(messages, add_generation_prompt=True)) or [tokenizer.eos_id]
+    if not isinstance(prompt, str):
+        from shardlm.data.sft import PlainTemplate
+
+        segments = PlainTemplate(tokenizer.eos_id).segments(prompt) + [(PlainTemplate.HEADERS["assistant"], False)]
+        return [i for s, _ in segments for i in ([s] if isinstance(s, int) else tokenizer.encode(s))]
+    hf = getattr(tokenizer, "tok", None)  # a `tokenizers.Tokenizer`: its post-processor adds BOS where it has one
+    ids = hf.encode(prompt, add_special_tokens=True).ids if hf is not None and prompt else prompt_ids(tokenizer, prompt)
+    return ids or [tokenizer.eos_id]
+
+
+# -- the decoding loop --------------------------------------------------------------------------------
+def _left_pad(rows: Sequence[Sequence[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, T) tokens, rows right-aligned (padding repeats the row's first token: never read), and (B,) pads."""
+    width = max(len(r) for r in rows)
+    pad = torch.tensor([width - len(r) for r in rows])
+    tokens = torch.tensor([[r[0]] * (width - len(r)) + list(r) for r in rows], device=device)
+    return tokens, pad
+
+
+def _recompute_logits(model: nn.Module, rows: Sequence[Sequence[int]], device: torch.device) -> torch.Tensor:
+    """Last-token logits of each row through the training forward, no cache. Padding is made exact by
+    document positions: each pad is a one-token document of its own and the row starts a new one at 0."""
+    tokens, pad = _left_pad(rows, device)
+    width = tokens.shape[1]
+    positions = None
+    if bool(pad.any()) or width > model.cfg.max_seq_len:  # the RoPE table covers max_seq_len positions
+        positions = (torch.arange(width)[None, :] - pad[:, None]).clamp_min(0).to(device)
+    return model(tokens, positions, last_only=True)
+
+
+def _is_sharded(model: nn.Module) -> bool:
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return False
+    return any(isinstance(p, DTensor) for p in model.parameters())
+
+
+def _eager(model: nn.Module) -> contextlib.AbstractContextManager:
+    """Compiled blocks (train.compile) run eagerly here: a cache whose length changes every step would
+    recompile them at each token."""
+    if any(getattr(m, "_compiled_call_impl", None) is not None for m in model.modules()):
+        return torch.compiler.set_stance("force_eager")
+    return contextlib.nullcontext()
+
+
+def _decode(model: nn.Module, prompts: Sequence[Sequence[int]], indices: Sequence[int], max_new_tokens: int,
+            sampling: Sampling, stop: frozenset[int], context: int, use_cache: bool, device: torch.device,
+            sync: bool) -> list[Completion]:
+    """One batch: prefill, then one token per step for every row until each has stopped."""
+    import torch.distributed as dist
+
+    out = [Completion(prompt=list(p)) for p in prompts]
+    seqs = [list(p) for p in prompts]
+    done = [False] * len(prompts)
+    gens = None if sampling.greedy else [row_generator(sampling.seed, i) for i in indices]
+    cache = None
+    for step in range(max_new_tokens):
+        if not use_cache:
+            logits = _recompute_logits(model, [s[-context:] for s in seqs], device)
+        elif cache is not None and cache.length < cache.max_len:
+            logits = model(torch.tensor([[s[-1]] for s in seqs], device=device), cache=cache, last_only=True)
+        else:  # the prefill, or a window that moved: (re)read each row's last `context` tokens
+            tokens, pad = _left_pad([s[-context:] for s in seqs], device)
+            room = min(context, tokens.shape[1] + max_new_tokens - step - 1)  # the window + the steps still to feed
+            cache = model.new_cache(len(seqs), max(room, tokens.shape[1]), pad)
+            logits = model(tokens, cache=cache, last_only=True)
+        nxt = next_tokens(logits[:, -1].float().cpu(), sampling, gens)
+        if sync:  # rank 0 decides: every rank feeds the same tokens and stops at the same step
+            dist.broadcast(nxt, src=0)
+        for b, tok in enumerate(nxt.tolist()):
+            seqs[b].append(tok)  # a finished row is fed on (its tokens are dropped): the batch stays rectangular
+            if not done[b]:
+                out[b].ids.append(tok)
+                if tok in stop:
+                    done[b], out[b].finish = True, "stop"
+        if all(done):
+            break
+    return out
+
+
+@torch.no_grad()
+def generate_batch(model: nn.Module, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
+                   sampling: Sampling = Sampling(), stop_ids: Iterable[int] = (), context: int | None = None,
+                   use_cache: bool = True, batch_size: int | None = None,
+                   device: torch.device | None = None) -> list[Completion]:
+    """Continue each prompt (token ids) by up to `max_new_tokens` tokens; one Completion per prompt, in order.
+
+    `model` is our Transformer (plain, or FSDP-sharded: then every rank calls this alike). `stop_ids` end a
+    row; `context` (default: the model's max_seq_len) bounds the tokens a row reads; `batch_size` prompts
+    run at once (default: all); `device`: where the tokens go (default: the parameters'). `use_cache=False`
+    recomputes every step without a cache. The model runs in eval mode and is put back as it was.
+    """
+    prompts = [list(p) for p in prompts]
+    if any(not p for p in prompts):
+        raise ValueError("generate needs at least one prompt token (see prompt_ids)")
+    if max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    if not prompts or max_new_tokens == 0:
+        return [Completion(prompt=p) for p in prompts]
+    context = context or model.cfg.max_seq_len
+    device = device or next(model.parameters()).device
+    sync, stop = _is_sharded(model), frozenset(stop_ids)
+    order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))  # longest first: less padding
+    size = batch_size or len(prompts)
+    results: list[Completion | None] = [None] * len(prompts)
+    was_training = model.training
+    model.eval()
+    try:
+        with _eager(model):
+            for start in range(0, len(order), size):
+                chunk = order[start:start + size]
+                done = _decode(model, [prompts[i] for i in chunk], chunk, max_new_tokens, sampling, stop, context,
+                               use_cache, device, sync)
+                for i, c in zip(chunk, done):
+                    results[i] = c
+    finally:
+        model.train(was_training)
+    return results  # type: ignore[return-value]
+
+
+def generate(model: nn.Module, prompt: list[int], max_new_tokens: int, context: int | None = None, *,
+             temperature: float = 0.8, top_k: int = 50, top_p: float = 1.0, seed: int = 0,
+             device: torch.device | None = None, stop_ids: Iterable[int] = (), use_cache: bool = True) -> list[int]:
+    """One prompt: the prompt's ids followed by the new ones (the end-of-training sample calls this).
+
+    `generate_batch` with one row; `context`: the longest window the model reads (the trainer passes
+    data.seq_len: past it, each token re-reads the last `context` tokens). Under FSDP every rank calls it.
     """
     if not prompt:
         raise ValueError("generate needs at least one prompt token (see prompt_ids)")
-    gen = torch.Generator(device="cpu").manual_seed(seed)
-    ids = list(prompt)
-    for _ in range(max_new_tokens):
-        window = torch.tensor([ids[-context:]], device=device)
-        logits = model(window)[0, -1].float().cpu()
-        if temperature <= 0:
-            ids.append(int(logits.argmax()))
-            continue
-        logits = logits / temperature
-        if top_k > 0:
-            kth = torch.topk(logits, min(top_k, logits.numel())).values[-1]
-            logits = logits.masked_fill(logits < kth, float("-inf"))
-        ids.append(int(torch.multinomial(torch.softmax(logits, -1), 1, generator=gen)))
-    return ids
+    (c,) = generate_batch(model, [prompt], max_new_tokens, sampling=Sampling(temperature, top_k, top_p, seed),
+                          stop_ids=stop_ids, context=context, use_cache=use_cache, device=device)
+    return list(prompt) + c.ids

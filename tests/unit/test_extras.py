@@ -16,7 +16,7 @@ from shardlm.extras import require
 
 ROOT = Path(__file__).resolve().parents[2]
 DEBUG = str(ROOT / "configs" / "debug.toml")
-EXTRAS = ("torchao", "transformers", "peft", "tensorboard")
+EXTRAS = ("torchao", "transformers", "peft", "tensorboard", "matplotlib", "wandb")
 
 
 def _block(monkeypatch, package: str) -> None:

@@ -16,7 +16,7 @@ import os
 import sys
 
 from shardlm import __version__
-from shardlm.cli import bench, convert, debug_assets, env, plan, prepare, presets, train
+from shardlm.cli import bench, convert, debug_assets, env, generate, plan, plot, prepare, presets, train
 from shardlm.errors import EXIT_CODES, ConfigError, Interrupted, ShardlmError
 
 # name -> (module, one-line help), in the order `shardlm --help` lists them
@@ -24,6 +24,8 @@ COMMANDS = {
     "train": (train, "train, alone or under torchrun (`train --help`: every config key)"),
     "prepare": (prepare, "tokenise data offline, in parallel, into a token store that training memory-maps"),
     "plan": (plan, "per-rank memory before launch: does it fit, and if not, what would"),
+    "generate": (generate, "text from an HF folder or a checkpoint (KV cache; greedy, top-k/top-p; sharded "
+                           "under torchrun)"),
     "convert": (convert, "checkpoints: dcp-to-hf (HF model or peft adapter), hf-to-dcp"),
     "make-debug-hf": (debug_assets, "a tiny HF-format model + SFT data (for configs/debug_lora.toml)"),
     "presets": (presets, "list the model presets"),
@@ -31,6 +33,7 @@ COMMANDS = {
                  "mistakes (`--check`); the NCCL presets (`--list`, `--preset NAME`)"),
     "bench": (bench, "`bench comm`: all-gather / reduce-scatter / all-reduce bandwidth over each mesh dimension "
                      "(under torchrun), and the FSDP share of a step"),
+    "plot": (plot, "loss, validation loss, learning rate, tokens/s and memory of one or more runs, in one image"),
 }
 
 

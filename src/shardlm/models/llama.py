@@ -12,6 +12,11 @@ it ran alone. The mask goes to the blocks as an argument (a bool tensor, or flex
 `BlockMask` on CUDA: `document_attention_backend`), so FSDP, activation checkpointing and
 torch.compile of blocks see it like any other input. Without positions nothing changes: causal SDPA.
 
+Decoding: `forward(tokens, cache=KVCache(...))` appends the tokens' keys and values to a
+preallocated per-layer cache and attends over everything cached, so after the prompt (the prefill)
+each new token costs one token's forward, however long the prefix. Rows may be left-padded; the
+cache knows each row's padding, gives every token its own position and keeps padding unread.
+
 Nothing here knows about distribution: the model is built on the `meta` device, sharded from
 outside (`shardlm.parallel`), materialised with `to_empty`, then `init_weights()` fills it.
 """
@@ -241,6 +246,80 @@ def document_mask(positions: torch.Tensor, backend: str) -> Any:
     b, t = segments.shape
     return _flex_fns()[1](document_mask_mod(segments), b, None, t, t, device=segments.device)
 
+# -- KV cache (decoding) ----------------------------------------------------------------------------
+class LayerKV:
+    """One layer's slice of a `KVCache`: (B, n_kv_heads, max_len, head_dim) keys and values."""
+
+    def __init__(self, cache: KVCache):
+        self.cache = cache
+        self.k: torch.Tensor | None = None
+        self.v: torch.Tensor | None = None
+
+    def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write the new tokens' (B, H_kv, T, D) keys and values after what is cached; return every cached
+        column up to and including them."""
+        c = self.cache
+        end = c.length + k.shape[2]
+        if self.k is None:
+            shape = (c.batch_size, k.shape[1], c.max_len, k.shape[3])
+            self.k = torch.zeros(shape, dtype=k.dtype, device=k.device)
+            self.v = torch.zeros(shape, dtype=v.dtype, device=v.device)
+        self.k[:, :, c.length:end] = k
+        self.v[:, :, c.length:end] = v
+        return self.k[:, :, :end], self.v[:, :, :end]
+
+
+class KVCache:
+    """The keys and values of every token a batch has run through the model so far, for decoding.
+
+    Per layer, (batch_size, n_kv_heads, max_len, head_dim) keys and values, allocated once at the first
+    forward in that forward's dtype and device (under FSDP: the compute dtype). `length` columns are
+    filled; `forward(tokens, cache=cache)` with (B, T) tokens writes columns length .. length+T-1 and
+    then advances `length` by T (past `max_len`: ValueError; start a new cache).
+
+    `pad[b]` (default 0) leading columns of row b are left padding: no later token reads them, and the
+    token in column s of row b has position s - pad[b]. So a row's logits are those of the row alone.
+
+    A plain object on purpose, not a dataclass or container: FSDP's input casting rebuilds those and would
+    hand the blocks a copy; this one reaches them untouched.
+    """
+
+    def __init__(self, batch_size: int, max_len: int, n_layers: int, pad: torch.Tensor | None = None):
+        if pad is not None and (pad.shape != (batch_size,) or bool((pad < 0).any()) or bool((pad >= max_len).any())):
+            raise ValueError(f"pad must hold one count in [0, max_len) per row, got {pad.tolist()}")
+        self.batch_size, self.max_len, self.length = batch_size, max_len, 0
+        self.pad = pad.to(torch.int64) if pad is not None and bool(pad.any()) else None
+        self.layers = [LayerKV(self) for _ in range(n_layers)]
+
+    def _pad_on(self, device: torch.device) -> torch.Tensor:
+        if self.pad.device != device:
+            self.pad = self.pad.to(device)  # once: the counts stay on the model's device
+        return self.pad
+
+    def positions(self, t: int, device: torch.device) -> torch.Tensor:
+        """(B, t) RoPE positions of the next t tokens (0 for padding)."""
+        cols = torch.arange(self.length, self.length + t, device=device).expand(self.batch_size, t)
+        if self.pad is None:
+            return cols
+        return (cols - self._pad_on(device)[:, None]).clamp_min(0)
+
+    def attention_mask(self, t: int, device: torch.device) -> torch.Tensor | None:
+        """(B, 1, t, length+t) bool mask of the next t tokens over every cached column (True: may read), or
+        None where `Attention` needs none: causal over the first tokens, or one token reading every column."""
+        if self.pad is None and (self.length == 0 or t == 1):
+            return None
+        q = torch.arange(self.length, self.length + t, device=device)[:, None]
+        s = torch.arange(self.length + t, device=device)[None, :]
+        mask = (s <= q)[None, None].expand(self.batch_size, 1, t, self.length + t)
+        if self.pad is None:
+            return mask
+        # A padding token reads only itself: no row of the attention is empty (that would give NaN).
+        readable = (s >= self._pad_on(device)[:, None])[:, None, None, :] | (s == q)[None, None]
+        return mask & readable
+
+    def advance(self, t: int) -> None:
+        self.length += t
+
 
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
@@ -257,8 +336,13 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: Any = None) -> torch.Tensor:
-        """mask: None (causal), a (B, 1, T, T) bool tensor (True: may attend) or a flex `BlockMask`."""
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: Any = None,
+                kv: LayerKV | None = None) -> torch.Tensor:
+        """mask: None (causal), a (B, 1, T, S) bool tensor (True: may attend) or a flex `BlockMask`.
+
+        kv: this layer's `KVCache` slice: the new keys/values are appended and the queries read every cached
+        column (S = cached + T); mask None then means causal for a first chunk, everything for one token.
+        """
         b, t, _ = x.shape
         q = self.q_proj(x).view(b, t, self.n_heads, self.head_dim)
         k = self.k_proj(x).view(b, t, self.n_kv_heads, self.head_dim)
@@ -267,16 +351,22 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if kv is not None:
+            k, v = kv.update(k, v)
         if mask is not None and not isinstance(mask, torch.Tensor):  # flex: the kernel does GQA itself
             y = _flex_fns()[0](q, k, v, block_mask=mask, enable_gqa=self.n_kv_heads != self.n_heads)
             return self.o_proj(y.transpose(1, 2).reshape(b, t, -1))
+        gqa = {}
         if self.n_kv_heads != self.n_heads:  # GQA: query head h reads kv head h // n_rep
-            rep = self.n_heads // self.n_kv_heads
-            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        if mask is None:
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            if kv is not None:  # SDPA maps the heads itself: no copy of a cache that grows with the prefix
+                gqa = {"enable_gqa": True}
+            else:
+                rep = self.n_heads // self.n_kv_heads
+                k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        if mask is None:  # causal; one token after a cache (T < S) reads every key
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=t == k.shape[2], **gqa)
         else:
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **gqa)
         return self.o_proj(y.transpose(1, 2).reshape(b, t, -1))
 
 
@@ -303,8 +393,9 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: Any = None) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: Any = None,
+                kv: LayerKV | None = None) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, kv)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -335,14 +426,30 @@ class Transformer(nn.Module):
         # after to_empty or sharding).
         self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
-        """tokens: (B, T) int64 -> logits (B, T, vocab).
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None, *,
+                cache: KVCache | None = None, last_only: bool = False) -> torch.Tensor:
+        """tokens: (B, T) int64 -> logits (B, T, vocab) (with `last_only`: (B, 1, vocab), the last token's).
 
         positions: None (one sequence per row, positions 0..T-1, causal attention), or (B, T) int64,
         each token's position within its document (0 where a document starts; a row may start inside
         one): RoPE uses them and each token attends only to earlier tokens of its own document.
+
+        cache: decode with a `KVCache`: the tokens continue what the cache holds (positions come from it,
+        so `positions` must be None), their keys and values are appended, and each reads every earlier
+        token of its row. `last_only` spares a prefill the (B, T, vocab) logits.
         """
-        if positions is None:
+        if cache is not None:
+            if positions is not None:
+                raise ValueError("positions come from the KV cache (its length and padding); pass one or the other")
+            if tokens.shape[0] != cache.batch_size:
+                raise ValueError(f"tokens have {tokens.shape[0]} rows but the KV cache {cache.batch_size}")
+            t = tokens.shape[1]
+            if cache.length + t > cache.max_len:
+                raise ValueError(f"the KV cache holds {cache.length} of {cache.max_len} tokens: no room for {t} more; "
+                                 "start a new cache with a larger max_len")
+            cos, sin = self.rope.at(cache.positions(t, tokens.device))
+            mask = cache.attention_mask(t, tokens.device)
+        elif positions is None:
             cos, sin = self.rope(tokens.shape[1])
             mask = None
         else:
@@ -355,12 +462,23 @@ class Transformer(nn.Module):
                 backend = document_attention_backend(tokens.device)[0]
             mask = document_mask(positions, backend)
         h = self.embed_tokens(tokens)
-        for layer in self.layers:
-            h = layer(h, cos, sin) if mask is None else layer(h, cos, sin, mask)
+        for i, layer in enumerate(self.layers):
+            if cache is not None:
+                h = layer(h, cos, sin, mask, cache.layers[i])
+            else:
+                h = layer(h, cos, sin) if mask is None else layer(h, cos, sin, mask)
+        if cache is not None:
+            cache.advance(tokens.shape[1])
+        if last_only:
+            h = h[:, -1:]
         h = self.norm(h)
         if self.lm_head is None:
             return F.linear(h, self.embed_tokens.weight.to(h.dtype))
         return self.lm_head(h)
+
+    def new_cache(self, batch_size: int, max_len: int, pad: torch.Tensor | None = None) -> KVCache:
+        """An empty `KVCache` for this model (see KVCache for `pad`)."""
+        return KVCache(batch_size, max_len, len(self.layers), pad)
 
     # -- initialisation ------------------------------------------------------------------------
     def init_spec(self, name: str) -> InitSpec:

@@ -1,0 +1,118 @@
+"""`shardlm generate (--hf DIR | --checkpoint DIR) --prompt TEXT ...`: text from a model, with a KV cache."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+TAKES_OVERRIDES = True
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.usage = ("shardlm generate (--hf DIR | --checkpoint DIR) (--prompt TEXT ... | --prompts-file FILE) "
+               "[--max-new-tokens N] [--temperature T] [--top-k K] [--top-p P] [--seed S] [--jsonl] "
+               "[--train.device=cpu ...]")
+    p.description = (
+        "Continue prompts with a model from an HF folder or a DCP checkpoint (model-only or full; LoRA adapters\n"
+        "are merged on the fly), decoding with a KV cache. Greedy by default (--temperature 0): the same ids as\n"
+        "transformers' greedy generate on the same weights. Prompts go through the tokenizer's chat template\n"
+        "when it has one. One process for a model that fits one device; under torchrun the model is sharded\n"
+        "(each rank reads only its shards) and every rank decodes in lockstep; rank 0 prints.")
+    p.epilog = ("--section.key=value overrides: train.device (auto/cpu/cuda), train.mixed_precision (auto = bf16 on\n"
+                "GPUs, fp32 on CPU), parallel.* under torchrun. Output: each completion after a `### prompt N` line,\n"
+                "or with --jsonl one object per prompt ({prompt, prompt_ids, ids, text, finish}); a summary line\n"
+                "with tokens/s goes to stderr.")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--hf", metavar="DIR", help="an HF model folder (config.json + safetensors + tokenizer)")
+    src.add_argument("--checkpoint", metavar="DIR", help="a DCP checkpoint (step-N, or `convert hf-to-dcp` output)")
+    p.add_argument("--prompt", action="append", default=[], metavar="TEXT", help="a prompt (repeat for several)")
+    p.add_argument("--prompts-file", metavar="FILE",
+                   help="prompts: .jsonl ({\"prompt\": str} or {\"messages\": [...]} per line) or text (one a line)")
+    p.add_argument("--max-new-tokens", type=int, default=128, metavar="N", help="new tokens per prompt (128)")
+    p.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0 = greedy (default)")
+    p.add_argument("--top-k", type=int, default=0, metavar="K", help="sample among the K most likely (0 = off)")
+    p.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus sampling mass (1 = off)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed; prompt i draws from (seed, i) (default 0)")
+    p.add_argument("--batch-size", type=int, default=8, metavar="B", help="prompts decoded together (8)")
+    p.add_argument("--tokenizer", metavar="SPEC", help="a tokenizer.json, its folder, or bytes (default: the model's)")
+    p.add_argument("--no-chat-template", action="store_true", help="encode prompts as plain text")
+    p.add_argument("--no-cache", action="store_true", help="recompute every token without a KV cache (slow; a check)")
+    p.add_argument("--jsonl", action="store_true", help="one JSON object per prompt on stdout")
+
+
+def read_prompts(args: argparse.Namespace) -> list:
+    """--prompt values, then the --prompts-file entries (strings, or message lists from .jsonl)."""
+    from shardlm.errors import ConfigError
+
+    prompts: list = list(args.prompt)
+    if args.prompts_file:
+        path = Path(args.prompts_file)
+        try:
+            lines = path.read_text(encoding="utf-8").splitlines()
+        except (OSError, UnicodeDecodeError) as e:
+            raise ConfigError(f"--prompts-file {path}: unreadable ({type(e).__name__}: {e})") from None
+        for n, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            if path.suffix != ".jsonl":
+                prompts.append(line)
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"{path}:{n}: not JSON ({e}); write one {{\"prompt\": ...}} object a line") from None
+            value = rec.get("prompt", rec.get("messages")) if isinstance(rec, dict) else None
+            if not (isinstance(value, str) or (isinstance(value, list) and value and all(
+                    isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                    for m in value))):
+                raise ConfigError(f"{path}:{n}: expected {{\"prompt\": str}} or {{\"messages\": [{{\"role\", "
+                                  "\"content\"}, ...]}")
+            prompts.append(value)
+    if not prompts:
+        raise ConfigError("generate needs a prompt: pass --prompt TEXT or --prompts-file FILE")
+    return prompts
+
+
+def run(args: argparse.Namespace, overrides: list[str]) -> int:
+    from shardlm.config import load_config
+    from shardlm.errors import ConfigError
+    from shardlm.generate import Sampling, generate_batch
+    from shardlm.inference import load_for_inference
+
+    if args.max_new_tokens < 1 or args.batch_size < 1:
+        raise ConfigError("--max-new-tokens and --batch-size must be >= 1")
+    try:
+        sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed)
+    except ValueError as e:
+        raise ConfigError(f"{e}: fix --top-k / --top-p / --temperature") from None
+    prompts = read_prompts(args)
+    cfg = load_config(None, overrides)
+    inf = load_for_inference(hf=args.hf, checkpoint=args.checkpoint, cfg=cfg, tokenizer=args.tokenizer)
+    try:
+        if inf.is_rank0:
+            print(f"generate: {inf.describe()}", file=sys.stderr, flush=True)
+        ids = [inf.encode(p, chat=not args.no_chat_template) for p in prompts]
+        start = time.perf_counter()
+        done = generate_batch(inf.model, ids, args.max_new_tokens, sampling=sampling, stop_ids=inf.stop_ids,
+                              context=inf.context, use_cache=not args.no_cache, batch_size=args.batch_size,
+                              device=inf.device)
+        elapsed = time.perf_counter() - start
+        if inf.is_rank0:
+            for i, (p, c) in enumerate(zip(prompts, done)):
+                text = inf.tokenizer.decode(c.text_ids)
+                if args.jsonl:
+                    print(json.dumps({"prompt": p, "prompt_ids": c.prompt, "ids": c.ids, "text": text,
+                                      "finish": c.finish}), flush=True)
+                else:
+                    print(f"### prompt {i + 1} ({len(c.ids)} tokens, {c.finish})\n{text}", flush=True)
+            n = sum(len(c.ids) for c in done)
+            print(f"generate: {len(done)} prompt{'s' if len(done) != 1 else ''}, {n} new tokens in {elapsed:.2f} s "
+                  f"({n / max(elapsed, 1e-9):.1f} tokens/s; {sampling.describe()}, "
+                  f"{'no cache' if args.no_cache else 'KV cache'}, batch {args.batch_size})", file=sys.stderr,
+                  flush=True)
+    finally:
+        inf.close()
+    return 0

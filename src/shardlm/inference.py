@@ -1,0 +1,301 @@
+"""A model to run, not to train: from an HF folder or a DCP checkpoint, in one process or sharded.
+
+    inf = load_for_inference(hf="/models/qwen3")          # or checkpoint="runs/x/checkpoints/step-200"
+    ids = inf.encode("Why is the sky blue?")                # the chat template when the tokenizer has one
+    [c] = generate_batch(inf.model, [ids], 64, stop_ids=inf.stop_ids, context=inf.context)
+    inf.close()
+
+Where it runs: a plain process (no torchrun) gets a plain model on one device (CUDA when there is one,
+`train.device` to choose), no process group, in `train.mixed_precision` (auto: bf16 on GPUs, fp32 on
+CPU). Under torchrun it joins the process group (`shardlm.distributed`), builds the `parallel.*` mesh
+and takes THE build path (`build.build_model`: meta -> fully_shard -> materialise), so each rank reads
+only its own shards; the sharded weights stay fp32 and FSDP computes in the precision's dtype. Every
+rank must then run the same calls (generate_batch does the lockstep).
+
+What it reads:
+  hf=DIR          config.json + safetensors (`interop.hf.load`), the folder's tokenizer.json.
+  checkpoint=DIR  a step-N DCP checkpoint: model-only or full (only `model.*` is read), or the output of
+                  `shardlm convert hf-to-dcp`. LoRA adapters in it are merged on the fly: each rank reads
+                  the base rows it owns and the adapters whole (small), and adds B @ A * alpha/r to its rows,
+                  in fp32, the arithmetic of `convert dcp-to-hf --merge-lora`. An adapters-only checkpoint
+                  takes its base from the HF folder it records. The tokenizer is the one the run trained
+                  with (as recorded in the checkpoint).
+Context (`Inference.context`, RoPE table length): the HF folder's max_position_embeddings; for a checkpoint,
+its HF base's when it records one, else the sequence length it was trained at.
+Stop ids: the tokenizer's end-of-text id, the EOS ids of the model folder's generation_config.json (else
+config.json), and the chat template's end-of-turn tokens (`<|im_end|>`, `<|eot_id|>`, ...) in the vocab.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from shardlm.build import build_model, build_model_config, materialize_weights, meta_model, model_state_bytes
+from shardlm.checkpoint.manager import SafeLoadPlanner, read_keys, saved_tensors
+from shardlm.checkpoint.meta import CheckpointMeta
+from shardlm.checkpoint.reader import SINGLE_PROCESS_WARNING
+from shardlm.config import Config, LoraSection
+from shardlm.data.tokenizer import Tokenizer, load_tokenizer
+from shardlm.errors import CheckpointError, ConfigError
+from shardlm.models.llama import ModelConfig, Transformer
+
+Pairs = dict[str, dict[str, str]]  # adapted module -> {"A": its lora_A name, "B": its lora_B name}
+
+
+@dataclass
+class Inference:
+    """What `load_for_inference` returns: the model in eval mode and everything needed to prompt it."""
+
+    model: Transformer
+    tokenizer: Tokenizer
+    config: Config  # resolved: model.init_from, data.tokenizer and data.seq_len (= context) set
+    model_cfg: ModelConfig
+    device: torch.device
+    precision: str  # "fp32" | "bf16": the compute dtype
+    context: int  # the longest window the model reads
+    stop_ids: tuple[int, ...]
+    template: Any  # the tokenizer folder's ChatTemplate, or None
+    source: str  # "hf:/dir" or "checkpoint:/dir", plus what was merged
+    rank: int = 0
+    world_size: int = 1
+    owns_process_group: bool = False
+
+    @property
+    def is_rank0(self) -> bool:
+        return self.rank == 0
+
+    def encode(self, prompt: str | list[dict[str, str]], chat: bool = True) -> list[int]:
+        """A prompt's ids (`generate.encode_prompt`), through the chat template when there is one and `chat`."""
+        from shardlm.generate import encode_prompt
+
+        return encode_prompt(self.tokenizer, prompt, self.template if chat else None)
+
+    def describe(self) -> str:
+        """One line: source, size, ranks, device and precision, tokenizer, template, stop ids, context."""
+        n = self.model_cfg.num_params()
+        where = f"{self.world_size} ranks (FSDP)" if self.world_size > 1 or self.owns_process_group else "1 process"
+        tok = self.config.data.tokenizer
+        return (f"{self.source}: {n / 1e6:.2f}M params on {where}, {self.device.type} {self.precision}; tokenizer "
+                f"{tok} ({self.tokenizer.vocab_size} ids){', chat template' if self.template is not None else ''}; "
+                f"stop ids {list(self.stop_ids)}; context {self.context}")
+
+    def close(self) -> None:
+        """Drop the model and, when this call made it, the process group (`shutdown_distributed`)."""
+        self.model = None  # type: ignore[assignment]
+        if self.owns_process_group:
+            from shardlm.distributed.env import shutdown_distributed
+
+            shutdown_distributed()
+            self.owns_process_group = False
+
+
+# -- what the source holds -------------------------------------------------------------------------
+def _declared_eos(folder: Path | None) -> list[int]:
+    """The EOS id(s) an HF folder declares: generation_config.json's, else config.json's."""
+    for name in ("generation_config.json", "config.json"):
+        path = folder / name if folder is not None else None
+        if path is None or not path.is_file():
+            continue
+        try:
+            value = json.loads(path.read_text()).get("eos_token_id")
+        except (OSError, ValueError, AttributeError):
+            continue
+        if value is not None:
+            return [int(v) for v in (value if isinstance(value, list) else [value])]
+    return []
+
+
+def _stop_ids(tokenizer: Tokenizer, folder: Path | None, template: Any) -> tuple[int, ...]:
+    ids = [tokenizer.eos_id, *_declared_eos(folder)]
+    hf = getattr(tokenizer, "tok", None)
+    for marker in getattr(template, "end_markers", []):
+        i = hf.token_to_id(marker) if hf is not None else None
+        if i is not None:
+            ids.append(i)
+    return tuple(dict.fromkeys(ids))
+
+
+def _checkpoint_tokenizer(ck: Path, meta: CheckpointMeta) -> str:
+    from shardlm.interop.hf.export import _recorded_tokenizer
+
+    spec = _recorded_tokenizer(ck, meta)
+    if spec is None:
+        raise ConfigError(f"{ck} records no tokenizer; pass one with --tokenizer (a tokenizer.json, its folder, "
+                          "or bytes)")
+    if spec != "bytes" and not Path(spec).exists():
+        raise ConfigError(f"{ck} was trained with the tokenizer {spec}, which is not there any more; pass its "
+                          "folder with --tokenizer")
+    return spec
+
+
+def _adapters(ck: Path, meta: CheckpointMeta) -> tuple[Pairs, float]:
+    """The checkpoint's LoRA pairs and alpha / rank (({}, 0.0) without adapters)."""
+    from shardlm.interop.hf.names import split_lora
+
+    stored = [k[len("model."):] for k in read_keys(ck) if k.startswith("model.")]
+    try:
+        _, pairs = split_lora(stored)
+    except ValueError as e:
+        raise CheckpointError(f"{ck}: {e}; the checkpoint is damaged") from None
+    if not pairs:
+        return {}, 0.0
+    lo = meta.require_lora(ck)
+    return pairs, lo.alpha / lo.rank
+
+
+# -- loading ---------------------------------------------------------------------------------------
+@torch.no_grad()
+def load_merged_lora(model: Transformer, ck: Path, pairs: Pairs, scaling: float, base: bool) -> None:
+    """Fill `model` (plain or sharded, no LoRA modules) from checkpoint `ck`, adding each adapter's
+    B @ A * scaling to its base weight: every rank reads only its rows of the base (`base`: they are in the
+    checkpoint; else already loaded) and the adapters whole."""
+    from torch.distributed.checkpoint import load as dcp_load
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+
+    from shardlm.parallel.fsdp import shard_region
+
+    stored = saved_tensors(ck, "model")
+    state = get_model_state_dict(model) if base else {}
+    missing = sorted(state.keys() - stored.keys())
+    if missing:
+        raise CheckpointError(f"{ck} lacks {len(missing)} weight(s) this model needs ({', '.join(missing[:3])}"
+                              f"{', ...' if len(missing) > 3 else ''}); pass a checkpoint of this model")
+    factors = {n: torch.empty(stored[n][0], dtype=stored[n][1]) for ab in pairs.values() for n in ab.values()}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=SINGLE_PROCESS_WARNING)
+        dcp_load({"model": {**state, **factors}}, checkpoint_id=str(ck), planner=SafeLoadPlanner())
+    if state:
+        set_model_state_dict(model, state, options=StateDictOptions(strict=False))
+    for module, ab in pairs.items():
+        try:
+            weight = model.get_parameter(f"{module}.weight")
+        except AttributeError:
+            raise CheckpointError(f"{ck}: LoRA adapter {module!r} has no base weight in this model; pass a "
+                                  "checkpoint of this model") from None
+        local, shape, offset = shard_region(weight)
+        if local.numel() == 0:
+            continue
+        rows = slice(offset[0], offset[0] + shape[0])
+        b, a = factors[ab["B"]][rows].float(), factors[ab["A"]].float()
+        local.copy_((local.float() + (b @ a) * scaling).to(local.dtype))
+
+
+def _materializer(ck: Path | None, pairs: Pairs, scaling: float, adapters_only: bool, base_dir: Path | None):
+    """build_model's `materialize` step for this source (build.materialize_weights where no LoRA is merged)."""
+    def materialize(model: Transformer, cfg: Config, device: torch.device) -> None:
+        if ck is None or not pairs:
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message=SINGLE_PROCESS_WARNING)
+                materialize_weights(model, cfg, device)
+            return
+        model.to_empty(device=device)
+        model.rope.reset_parameters()
+        if adapters_only:
+            from shardlm.interop.hf.load import load_hf_weights
+
+            load_hf_weights(model, base_dir)
+        load_merged_lora(model, ck, pairs, scaling, base=not adapters_only)
+
+    return materialize
+
+
+def load_for_inference(*, hf: str | os.PathLike | None = None, checkpoint: str | os.PathLike | None = None,
+                       cfg: Config | None = None, tokenizer: str | None = None) -> Inference:
+    """The model of an HF folder (`hf`) or a DCP checkpoint (`checkpoint`), ready to decode (see the module
+    docstring). `cfg` supplies train.device, train.mixed_precision, data.tokenizer and parallel.* (default:
+    the defaults); its model and LoRA sections are ignored. `tokenizer` overrides the tokenizer (a
+    tokenizer.json, its folder, or "bytes"). ConfigError / CheckpointError name what is wrong and the fix.
+    """
+    if (hf is None) == (checkpoint is None):
+        raise ConfigError("load_for_inference needs an HF folder or a checkpoint (exactly one of them)")
+    cfg = copy.deepcopy(cfg) if cfg is not None else Config()
+    cfg.lora = LoraSection()  # a checkpoint's adapters are merged into the weights, not applied as modules
+    cfg.train.ac, cfg.train.compile, cfg.train.cpu_offload = "none", False, False
+    if cfg.train.mixed_precision == "fp8":
+        raise ConfigError("generation runs in bf16 or fp32: drop train.mixed_precision=fp8 (or set it to auto)")
+    tokenizer = tokenizer or (cfg.data.tokenizer if cfg.data.tokenizer != "auto" else None)
+    ck, pairs, scaling, adapters_only = None, {}, 0.0, False
+    if hf is not None:
+        from shardlm.interop.hf.config import read_hf_config
+
+        folder = Path(hf).resolve()
+        context = read_hf_config(folder)[0].max_seq_len  # ConfigError for a folder that is not an HF model
+        if tokenizer is None and not (folder / "tokenizer.json").is_file():
+            raise ConfigError(f"{folder} has no tokenizer.json; pass one with --tokenizer (a tokenizer.json, its "
+                              "folder, or bytes)")
+        cfg.model.init_from, base_dir, source = f"hf:{folder}", folder, f"hf:{folder}"
+        spec = tokenizer or str(folder)
+    else:
+        ck = Path(checkpoint).resolve()
+        read_keys(ck)  # CheckpointError unless a complete checkpoint
+        meta = CheckpointMeta.load(ck)
+        mc = meta.require_model(ck)
+        pairs, scaling = _adapters(ck, meta)
+        adapters_only = bool(pairs) and meta.lora is not None and meta.lora.adapters_only
+        base_dir = meta.hf_dir
+        if adapters_only and (base_dir is None or not base_dir.is_dir()):
+            raise CheckpointError(f"{ck} holds LoRA adapters only and its base model "
+                                  f"{base_dir or '(not recorded)'} is not there; put the base back at that path")
+        context = mc.max_seq_len
+        if base_dir is not None and (base_dir / "config.json").is_file():
+            from shardlm.interop.hf.config import read_hf_config
+
+            context = read_hf_config(base_dir)[0].max_seq_len
+        cfg.model.init_from = f"dcp:{ck}"
+        merged = f" (LoRA r={meta.lora.rank} merged)" if pairs else ""
+        source = f"checkpoint:{ck}{merged}"
+        spec = tokenizer or _checkpoint_tokenizer(ck, meta)
+    cfg.data.tokenizer, cfg.data.seq_len = spec, context
+    tok = load_tokenizer(spec)
+    model_cfg = build_model_config(cfg, tok.vocab_size)
+    materialize = _materializer(ck, pairs, scaling, adapters_only, base_dir)
+    model, device, rank, world, owns = _build(cfg, model_cfg, materialize)
+    from shardlm.data.sft import ChatTemplate
+
+    template = ChatTemplate.from_dir(getattr(tok, "directory", None))
+    return Inference(model=model.eval(), tokenizer=tok, config=cfg, model_cfg=model_cfg, device=device,
+                     precision=cfg.train.precision(device.type), context=context,
+                     stop_ids=_stop_ids(tok, base_dir, template), template=template, source=source, rank=rank,
+                     world_size=world, owns_process_group=owns)
+
+
+def _build(cfg: Config, mc: ModelConfig, materialize) -> tuple[Transformer, torch.device, int, int, bool]:
+    """(model, device, rank, world size, whether a process group was made here)."""
+    from shardlm.distributed.env import device_type, init_distributed, shutdown_distributed
+
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun: sharded, every rank its own shards
+        import torch.distributed as dist
+
+        from shardlm.parallel.dims import device_memory_bytes, launch_topology, resolve_dims
+
+        owns = not dist.is_initialized()
+        env = init_distributed(cfg.train.device, cfg.parallel.init_timeout_s)
+        try:
+            topo = launch_topology()
+            dims, _ = resolve_dims(cfg.parallel, topo, lambda: model_state_bytes(cfg, mc),
+                                   device_memory_bytes(env.device.type, env.local_rank, topo.ranks_per_node))
+            model = build_model(cfg, mc, dims.build_mesh(env.device.type), env.device, materialize=materialize)
+        except BaseException:
+            if owns:
+                shutdown_distributed()
+            raise
+        return model, env.device, env.rank, env.world_size, owns
+    kind = device_type(cfg.train.device)
+    device = torch.device("cuda", torch.cuda.current_device()) if kind == "cuda" else torch.device("cpu")
+    model = meta_model(cfg, mc)
+    materialize(model, cfg, device)
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[cfg.train.precision(kind)]
+    for p in model.parameters():  # the compute dtype, as FSDP's all-gather would give (buffers stay fp32)
+        p.data = p.data.to(dtype)
+    return model, device, 0, 1, False
+
+
+__all__ = ["Inference", "load_for_inference", "load_merged_lora"]
