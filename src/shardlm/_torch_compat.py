@@ -114,7 +114,31 @@ def dump_flight_recorder(backend: str) -> bytes | None:
     return None
 
 
+# -- CUDA memory snapshots for pytorch.org/memory_viz (observe/profiler.py). Private but documented in the
+#    "Understanding CUDA Memory Usage" guide: `torch.cuda.memory._record_memory_history(enabled="all" | None,
+#    max_entries=N)` (this spelling since 2.1) and `_dump_snapshot(filename)`. Checked on 2.13: the names and
+#    keywords only (CPU build: recording needs CUDA); not run on a GPU nor on 2.11 yet. Guarded: a torch without
+#    them gives no snapshot, and the profiler says so.
+def record_memory_history(max_entries: int) -> bool:
+    """Start recording CUDA allocations (with stacks) for a snapshot; False where this torch cannot."""
+    fn = getattr(torch.cuda.memory, "_record_memory_history", None)
+    if fn is None or not torch.cuda.is_available():
+        return False
+    fn(enabled="all", max_entries=max_entries)
+    return True
+
+
+def dump_memory_snapshot(path: str) -> None:
+    """Write the recorded allocation history (a pickle pytorch.org/memory_viz reads) to `path`."""
+    torch.cuda.memory._dump_snapshot(path)
+
+
+def stop_memory_history() -> None:
+    """Stop recording allocations (no cost from here on)."""
+    torch.cuda.memory._record_memory_history(enabled=None)
+
+
 __all__ = ["compute_local_shape_and_global_offset", "set_element", "FakeTensorMode", "FakeStore", "FSDPMemTracker",
            "tracker_current", "tracker_peaks", "tracker_module_state", "tracker_categories", "UPDATE_PEAK_STATS",
            "compile_backends", "release_mesh_groups", "float8_linear_class", "set_pg_timeout",
-           "dump_flight_recorder", "torch"]
+           "dump_flight_recorder", "record_memory_history", "dump_memory_snapshot", "stop_memory_history", "torch"]

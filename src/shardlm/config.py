@@ -208,6 +208,37 @@ class MetricsSection:
     log_every: int = _f(10, "Log a metrics line (and a metrics.jsonl record) every N steps.")
     progress_bar: bool = _f(True, "Show a progress bar on rank 0 when stderr is a terminal.")
     tensorboard: bool = _f(False, "Also write TensorBoard events to <output_dir>/tb (needs the [viz] extra).")
+    wandb: bool = _f(False, "Also log the metrics.jsonl scalars (train/<name>, val/<name>) and the resolved config to "
+                     "Weights & Biases from rank 0 (needs the [wandb] extra). The run id is kept in "
+                     "<output_dir>/wandb_id, so a resumed run continues the same W&B run; WANDB_MODE=offline logs "
+                     "under <output_dir>/wandb/ for a later `wandb sync`.")
+    wandb_project: str = _f("shardlm", "W&B project.")
+    wandb_run_name: str = _f("", "W&B run name; empty = W&B picks one.")
+    phase_sync: bool = _f(False, "Synchronise the GPU at the end of the optimizer phase so time_optimizer_s counts "
+                          "its kernels (one more sync per step). Off: time_optimizer_s is its launch time and the "
+                          "optimizer's GPU time shows in the next step's time_compute_s.")
+
+
+@dataclass
+class EvalSection:
+    interval: int = _f(0, "Evaluate the validation loss every N optimizer steps; 0 = never in the loop. The set is "
+                       "data.val_path, or the val/ of the store data.path names.")
+    max_tokens: int = _f(0, "Evaluate this many target tokens of the validation set (its first windows, always "
+                         "the same ones); 0 = the whole set. Text only: an SFT set is always whole.")
+    at_end: bool = _f(True, "Evaluate once more after the last step (when there is validation data).")
+    micro_batch_size: int = _f(0, "Rows per evaluation forward; 0 = train.micro_batch_size.")
+
+
+@dataclass
+class ProfileSection:
+    enabled: bool = _f(False, "Trace optimizer steps [start_step, start_step + steps) with torch.profiler on every "
+                       "rank into <output_dir>/profile/rank{R}-steps{a}-{b}.json.gz (open in ui.perfetto.dev), and on "
+                       "CUDA the allocator's history into rank{R}-memory-steps{a}-{b}.pickle (pytorch.org/memory_viz).")
+    start_step: int = _f(3, "First optimizer step traced (1-based). Start after warm-up (compile, allocator "
+                         "growth): the first traced step also carries the profiler's start-up.")
+    steps: int = _f(2, "How many optimizer steps to trace (a ProfilerStep#N span each).")
+    memory: bool = _f(True, "On CUDA also record a memory snapshot over the traced steps (up to 100,000 allocation "
+                      "events).")
 
 
 @dataclass
@@ -253,6 +284,8 @@ class Config:
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     lora: LoraSection = field(default_factory=LoraSection)
     env: EnvSection = field(default_factory=EnvSection)
+    eval: EvalSection = field(default_factory=EvalSection)
+    profile: ProfileSection = field(default_factory=ProfileSection)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return {s.name: _plain(getattr(self, s.name)) for s in dataclasses.fields(self)}
@@ -552,6 +585,19 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"parallel.nvlink_domain={p.nvlink_domain} only shapes the mesh when parallel.dp_shard "
                           f"and dp_replicate are both auto, but dp_shard={p.dp_shard}, dp_replicate={p.dp_replicate}: set both "
                           "to auto or drop nvlink_domain")
+    e, pr = cfg.eval, cfg.profile
+    for key, v in (("eval.interval", e.interval), ("eval.max_tokens", e.max_tokens),
+                   ("eval.micro_batch_size", e.micro_batch_size)):
+        if v < 0:
+            raise ConfigError(f"{key} must be >= 0 (0 = {'off' if key == 'eval.interval' else 'the default'}), got {v}")
+    if pr.enabled:
+        if pr.start_step < 1:
+            raise ConfigError(f"profile.start_step must be >= 1 (the first optimizer step to trace), got {pr.start_step}")
+        if pr.steps < 1:
+            raise ConfigError(f"profile.steps must be >= 1 (how many steps to trace), got {pr.steps}")
+        if pr.start_step > t.steps:
+            raise ConfigError(f"profile.start_step={pr.start_step} is past train.steps={t.steps}: nothing would be "
+                              "traced; lower profile.start_step")
     for key, v in (("parallel.init_timeout_s", p.init_timeout_s), ("parallel.step_timeout_s", p.step_timeout_s)):
         if v <= 0:
             raise ConfigError(f"{key} must be > 0 seconds, got {v}")

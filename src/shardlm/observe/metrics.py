@@ -28,7 +28,8 @@ PEAK_BF16_FLOPS = {
 }
 
 FIELDS = ("step", "loss", "lr", "grad_norm", "tokens_per_sec", "mfu", "mem_gib", "elapsed_s", "step_time_max_rank",
-          "step_time_spread")
+          "step_time_spread", "time_data_s", "time_compute_s", "time_optimizer_s", "time_checkpoint_s")
+VAL_FIELDS = ("val_loss", "val_ppl", "val_bpb", "val_tokens", "val_time_s")  # on steps that evaluated
 
 
 def peak_flops(device: torch.device) -> float | None:
@@ -71,6 +72,9 @@ class MetricsLogger:
             self.bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True)
 
     def log(self, record: dict[str, Any]) -> None:
+        """A training step's record (with the validation metrics when it evaluated too), or a record of
+        validation metrics only (`val_loss`, ..., no `loss`): one metrics.jsonl line, TensorBoard scalars
+        (train/<name>, val/<name>), one printed line."""
         if not self.enabled:
             return
         self.file.write(json.dumps(record) + "\n")
@@ -78,19 +82,30 @@ class MetricsLogger:
         if self.tb is not None:
             for k, v in record.items():
                 if k != "step" and isinstance(v, (int, float)) and not math.isnan(v):
-                    self.tb.add_scalar(f"train/{k}", v, record["step"])
-        mfu = "n/a" if record["mfu"] is None else f"{100 * record['mfu']:.1f}%"
-        line = (f"step {record['step']:>6} | loss {record['loss']:.4f} | lr {record['lr']:.2e} | "
-                f"gnorm {record['grad_norm']:.3f} | {record['tokens_per_sec']:,.0f} tok/s | mfu {mfu} | "
-                f"mem {record['mem_gib']:.2f} GiB")
-        self.write(line)
+                    self.tb.add_scalar(f"val/{k[4:]}" if k.startswith("val_") else f"train/{k}", v, record["step"])
+        parts = [f"step {record['step']:>6}"]
+        if "loss" in record:
+            mfu = "n/a" if record["mfu"] is None else f"{100 * record['mfu']:.1f}%"
+            parts += [f"loss {record['loss']:.4f}", f"lr {record['lr']:.2e}", f"gnorm {record['grad_norm']:.3f}",
+                      f"{record['tokens_per_sec']:,.0f} tok/s", f"mfu {mfu}", f"mem {record['mem_gib']:.2f} GiB"]
+        if "val_loss" in record:
+            bpb = f" bpb {record['val_bpb']:.4f}" if record.get("val_bpb") is not None else ""
+            parts.append(f"val_loss {record['val_loss']:.4f} ppl {record['val_ppl']:.2f}{bpb} "
+                         f"({record['val_tokens']:,} tokens, {record['val_time_s']:.1f}s)")
+        self.write(" | ".join(parts))
 
-    def advance(self, loss: float | None = None) -> None:
-        """One step done; `loss` (when this step was logged) goes into the bar's postfix."""
+    def advance(self, loss: float | None = None, val_loss: float | None = None) -> None:
+        """One step done; `loss` / `val_loss` (when this step was logged / evaluated) go into the bar's postfix
+        (the last val_loss stays there)."""
         if self.bar is not None:
             self.bar.update(1)
-            if loss is not None:
-                self.bar.set_postfix(loss=f"{loss:.4f}")
+            if val_loss is not None:
+                self.last_val = val_loss
+            if loss is not None or val_loss is not None:
+                post = {} if loss is None else {"loss": f"{loss:.4f}"}
+                if getattr(self, "last_val", None) is not None:
+                    post["val_loss"] = f"{self.last_val:.4f}"
+                self.bar.set_postfix(post)
 
     def write(self, line: str) -> None:
         if not self.enabled:

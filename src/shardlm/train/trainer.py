@@ -29,7 +29,10 @@ from shardlm.distributed.watchdog import Watchdog, heartbeat_store, install_test
 from shardlm.distributed.env import device_type, init_distributed, restart_store_warning, shutdown_distributed
 from shardlm.errors import ConfigError, DataError, Interrupted, PreflightError, TrainingError
 from shardlm.generate import generate, prompt_ids
+from shardlm.eval.validation import Validator, best_logged
 from shardlm.observe.metrics import MetricsLogger, Throughput, peak_flops, read_and_reset_peak_memory_gib
+from shardlm.observe.profiler import PhaseTimer, StepProfiler
+from shardlm.observe.wandb_log import WandbLogger
 from shardlm.parallel.dims import device_memory_bytes, dp_rank, launch_topology, resolve_dims
 from shardlm.parallel.fsdp import clip_grad_norm_
 from shardlm.quant.fp8 import precompute_fp8_scales
@@ -114,9 +117,15 @@ class Trainer:
         quiet = say if first else (lambda line: None)
         self.stores = open_stores(cfg, self.tokenizer, log=say, wait_log=quiet)
         self.val_store = open_val_store(cfg, self.tokenizer, log=say, wait_log=quiet)
+        e = cfg.eval
+        if self.val_store is None and e.interval:
+            raise ConfigError(f"eval.interval={e.interval} needs validation data: set data.val_path (a store or "
+                              "files), or train on a store prepared with --val-fraction / --val; or eval.interval=0")
         if self.val_store is not None and first:
+            when = (f"every {e.interval} steps" if e.interval else "") + (" and " if e.interval and e.at_end else "") \
+                + ("at the end" if e.at_end else "")
             say(f"data: validation store {self.val_store.path}: {self.val_store.documents:,} documents, "
-                f"{self.val_store.n_tokens:,} tokens (held out; not evaluated yet: in-loop evaluation is not built)")
+                f"{self.val_store.n_tokens:,} tokens; evaluated {when or 'never (eval.interval=0, eval.at_end=false)'}")
         self.env = init_distributed(cfg.train.device, cfg.parallel.init_timeout_s)
         self.is_rank0 = self.env.rank == 0
         self.topo = topo
@@ -193,6 +202,21 @@ class Trainer:
             prepare_metrics_file(self.output_dir, self.step if self.resumed_from else None, log=self.log)
         self.metrics = MetricsLogger(self.output_dir, cfg.train.steps, self.is_rank0, cfg.metrics.progress_bar,
                                      cfg.metrics.tensorboard, start_step=self.step)
+        wd.enter("setup: eval")
+        self.validator = None if self.val_store is None or not (cfg.eval.interval or cfg.eval.at_end) else \
+            Validator(cfg, self.val_store, self.tokenizer, dp_rank(self.mesh), self.dims.dp, self.env.device)
+        # the best val_loss of the run so far (a resume carries the one logged before it)
+        self.best_val = best_logged(self.output_dir / "metrics.jsonl", self.step) \
+            if self.resumed_from is not None and self.is_rank0 else None
+        m, pr = cfg.metrics, cfg.profile
+        self.profiler = StepProfiler(self.output_dir, pr.start_step, pr.steps, self.env.rank, self.env.device,
+                                     log=self.log, memory=pr.memory) if pr.enabled else None
+        sync = torch.cuda.synchronize if self.env.device.type == "cuda" and m.phase_sync else None
+        self.timer = PhaseTimer(sync=sync)
+        self.wandb = None
+        if m.wandb:
+            self.wandb = WandbLogger(self.output_dir, cfg.to_dict(), m.wandb_project, m.wandb_run_name or None,
+                                     enabled=self.is_rank0, resumed=self.resumed_from is not None, log=self.log)
 
     def run_preflight(self) -> None:
         """parallel.preflight: every rank times a GEMM and an all-reduce per mesh dimension; a slow one is named
@@ -346,6 +370,7 @@ class Trainer:
         self.busy.arrive()
         dist.all_reduce(counts)
         self.busy.leave()
+        self.timer.lap("data")  # includes the wait for the slowest rank's batch (the count all-reduce)
         n_tokens, stop, ctrl_c = counts[:3].tolist()
         self.rank_step_times = counts[3:].tolist() if slots else None
         loss_sum = forward_backward(self.model, batches, self.dims.dp / n_tokens, self.env.device, t.grad_sync,
@@ -353,6 +378,7 @@ class Trainer:
         wd.enter("grad-norm all-reduce")
         norm = clip_grad_norm_(self.params, t.grad_clip, flag=loss_sum)
         grad_norm = norm.item()  # the step's one host read: the guard decides before the optimizer does
+        self.timer.lap("compute")
         bad = None if math.isfinite(grad_norm) else nonfinite_report(loss_sum, self.params)
         if bad is None:
             wd.enter("optimizer")
@@ -361,6 +387,7 @@ class Trainer:
                 precompute_fp8_scales(self.model)
             self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
+        self.timer.lap("optimizer", sync=True)
         return StepResult(loss_sum / n_tokens, grad_norm, stop > 0, ctrl_c > 0, bad)
 
     def logs_next_step(self) -> bool:
@@ -419,9 +446,16 @@ class Trainer:
         while self.step < t.steps and not stopped:
             lr = self.scheduler.get_last_lr()[0]
             wd.step = self.step
+            if self.profiler is not None:
+                self.profiler.step_begin(self.step + 1)
+            self.timer.mark()
             wd.enter("data")
             batches = self.loader.next_step()
             res = self.train_step(batches, self.preemption.requested)
+            if self.profiler is not None:
+                wd.enter("profile export")
+                self.profiler.step_end(self.step + 1)
+            self.timer.step()
             stopped, interrupted = res.stop, res.interrupted
             if first:  # compile, data and checkpoint load are behind us: the step timeout from here on
                 first = False
@@ -444,21 +478,49 @@ class Trainer:
                 wd.enter("loss all-reduce")
                 dist.all_reduce(res.loss)  # each rank holds its share of the global mean
                 loss_v = res.loss.item()
+            val = self.evaluate() if self.eval_due(stopped) else None
             if log_now:
                 tps, mfu = meter.measure()
                 rec = {"step": self.step, "loss": loss_v, "lr": lr, "grad_norm": res.grad_norm,
                        "tokens_per_sec": tps, "mfu": mfu, "mem_gib": read_and_reset_peak_memory_gib(self.env.device),
-                       "elapsed_s": time.perf_counter() - start, **self.step_times_record()}
+                       "elapsed_s": time.perf_counter() - start, **self.step_times_record(), **self.timer.record(),
+                       **(val or {})}
                 records.append(rec)
                 self.metrics.log(rec)
+                if self.wandb is not None:
+                    self.wandb.log(rec, self.step)
                 self.log_mixture(final=self.step == t.steps)
-            self.metrics.advance(loss_v)
+            elif val is not None:  # an evaluation on a step that is not logged: a record of its own
+                rec = {"step": self.step, **val, "elapsed_s": time.perf_counter() - start}
+                self.metrics.log(rec)
+                if self.wandb is not None:
+                    self.wandb.log(rec, self.step)
+            self.metrics.advance(loss_v, val["val_loss"] if val else None)
             if save_now:
+                self.timer.mark()
                 wd.enter("checkpoint save")
                 self.save(final=self.step == t.steps, blocking=stopped)
+                self.timer.lap("checkpoint")
         wd.enter("checkpoint save")
         self.checkpointer.wait()
         return stopped, interrupted
+
+    def eval_due(self, stopped: bool) -> bool:
+        """eval.interval steps, and the last step with eval.at_end (not when stopping early: a SIGTERM's grace is
+        for the checkpoint). The same answer on every rank."""
+        e = self.cfg.eval
+        if self.validator is None:
+            return False
+        return bool(e.interval and self.step % e.interval == 0) or (e.at_end and self.step == self.cfg.train.steps
+                                                                   and not stopped)
+
+    def evaluate(self) -> dict:
+        """The validation metrics at this step (a collective over every rank); remembers the best val_loss."""
+        self.watchdog.enter("eval")
+        val = self.validator.evaluate(self.model)  # type: ignore[union-attr]
+        if self.best_val is None or val["val_loss"] < self.best_val[0]:
+            self.best_val = (val["val_loss"], self.step)
+        return val
 
     def step_times_record(self) -> dict:
         """step_time_max_rank / step_time_spread of this log interval (None before any step was timed), and
@@ -540,20 +602,30 @@ class Trainer:
             skipped = f" ({self.skipped_total} non-finite steps skipped)" if self.skipped_total else ""
             ran = self.step - self.started_at
             span = f"steps {self.started_at + 1}-{self.step}" if ran > 1 else f"step {self.step}"
+            best = f", best val_loss {self.best_val[0]:.4f} at step {self.best_val[1]}" if self.best_val else ""
             self.metrics.write(f"done: ran {ran} step{'s' if ran != 1 else ''} ({span}; {self.step} of "
                                f"train.steps={t.steps}) in {elapsed:.1f}s{skipped}, loss {records[0]['loss']:.3f} -> "
-                               f"{records[-1]['loss']:.3f}; outputs in {self.output_dir}/ (config.toml, metrics.jsonl)")
+                               f"{records[-1]['loss']:.3f}{best}; outputs in {self.output_dir}/ (config.toml, "
+                               "metrics.jsonl)")
         if sample and t.sample_tokens > 0:
             self.watchdog.enter("sample")
             ids = generate(self.model, prompt_ids(self.tokenizer, t.sample_prompt), t.sample_tokens,
                            self.cfg.data.seq_len, seed=t.seed, device=self.env.device)
             self.metrics.write("sample:\n" + self.tokenizer.decode(ids))
+        if self.profiler is not None:
+            self.profiler.close()
+        if self.wandb is not None:
+            self.wandb.finish()
         self.metrics.close()
 
     def close(self) -> None:
         """Finish the in-flight save, release the model and every process group; the end of a Trainer."""
         self.watchdog.enter("shutdown")
         self.preemption.uninstall()
+        if getattr(self, "profiler", None) is not None:
+            self.profiler.close()
+        if getattr(self, "wandb", None) is not None:
+            self.wandb.finish(exit_code=1)  # a no-op after a clean finish; marks a crashed run failed
         self.checkpointer.close()
         self.release_locks()
         # The FSDP state inside the model holds the process groups: drop it so that their threads end

@@ -1,0 +1,141 @@
+"""Validation loss in the training loop: one fixed set, one number, the same on any number of ranks.
+
+The set: the validation store's rows, in order, never shuffled. Text: the `seq_len` windows of its token stream
+(the first `eval.max_tokens` target tokens' worth of them, or all), with document masks when the run uses them;
+SFT: its samples packed (or padded) as training packs them, answer tokens only. Rows are dealt round-robin over
+the data-parallel ranks (every rank of the mesh: FSDP and HSDP alike); a rank with fewer rows runs forwards on a
+padding row (no targets) so that every rank makes the same FSDP all-gathers.
+
+val_loss = (sum over every target token of the set of -log p) / (number of target tokens), summed in fp64 over
+the ranks with one all-reduce: not a mean of batch means, so it is the same on 1, 2 or 4 ranks and under HSDP (up
+to float reduction order). val_ppl = exp(val_loss); val_bpb (text only) = the summed nats / ln 2 / the UTF-8
+bytes of the evaluated text, which compares models with different tokenizers.
+
+Evaluation runs under `torch.no_grad` in eval mode (no dropout: the RNG stream of training is not touched) on the
+training model itself (its FSDP sharding, no copy), and does not touch the training loader: the training losses
+are the same with and without it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from shardlm.data.order import IGNORE_INDEX
+from shardlm.errors import DataError
+
+
+class Validator:
+    """The fixed validation set of `store` for this rank, and `evaluate(model)` over it (a collective)."""
+
+    def __init__(self, cfg, store, tokenizer, dp_rank: int, dp_size: int, device: torch.device):
+        from shardlm.data.loader import PackedLoader
+        from shardlm.data.order import SampleOrder
+        from shardlm.data.sft import SFTLoader, SFTSamples
+
+        d, e = cfg.data, cfg.eval
+        self.device, self.dp_rank, self.dp_size = device, dp_rank, dp_size
+        self.mbs = e.micro_batch_size or cfg.train.micro_batch_size
+        self.seq_len = L = d.seq_len
+        one = SampleOrder(1, 1, 1, 0, 1)  # the loaders' own order is unused: rows are asked for by index
+        if store.kind == "sft":
+            self.rows_of = SFTLoader(SFTSamples.from_store(store), L, 1, 1, 0, 1, shuffle=False, pack=d.pack,
+                                     pad_id=tokenizer.eos_id, document_mask=d.document_mask)
+            n_rows = self.rows_of.n_rows
+            self.bytes = None
+        else:
+            n_windows = PackedLoader.windows(store.tokens, L)
+            if n_windows < 1:
+                raise DataError(f"the validation store {store.path} has {store.n_tokens} tokens, fewer than "
+                                f"data.seq_len + 1 = {L + 1}; add validation data or lower data.seq_len")
+            n_rows = n_windows if not e.max_tokens else max(1, min(n_windows, e.max_tokens // L))
+            starts = np.asarray(store.starts[:-1]) if d.document_mask else None
+            self.rows_of = PackedLoader(store.tokens, L, 1, 1, 0, 1, doc_starts=starts, order=one)
+            self.bytes = _utf8_bytes(tokenizer, store.tokens[1 : n_rows * L + 1])
+        self.n_rows = n_rows
+        self.mine = list(range(dp_rank, n_rows, dp_size))
+        per_rank = -(-n_rows // dp_size)
+        self.forwards = -(-per_rank // self.mbs)  # the same on every rank
+        self.pad_id, self.positions = tokenizer.eos_id, d.document_mask
+
+    def describe(self) -> str:
+        what = f"{self.n_rows} rows of {self.seq_len}"
+        return what + (f", {self.forwards} forwards of {self.mbs} per rank")
+
+    def _batches(self):
+        for k in range(self.forwards):
+            ids = self.mine[k * self.mbs : (k + 1) * self.mbs]
+            if not ids:  # this rank ran out: a padding row keeps its FSDP collectives in step with the others
+                x = torch.full((1, self.seq_len), self.pad_id, dtype=torch.long)
+                y = torch.full((1, self.seq_len), IGNORE_INDEX, dtype=torch.long)
+                yield (x, y, torch.arange(self.seq_len).unsqueeze(0)) if self.positions else (x, y)
+                continue
+            yield self.rows_of.rows(ids)
+
+    @torch.no_grad()
+    def evaluate(self, model: torch.nn.Module) -> dict[str, Any]:
+        """val_loss, val_ppl, val_bpb (text; None for SFT), val_tokens, val_time_s: one collective at the end
+        (besides the forwards' own)."""
+        t0 = time.perf_counter()
+        was_training = model.training
+        model.eval()
+        nll = torch.zeros((), dtype=torch.float64)
+        count = 0
+        try:
+            for batch in self._batches():
+                x, y, *pos = (b.to(self.device, non_blocking=True) for b in batch)
+                logits = model(x, *pos)
+                loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), ignore_index=IGNORE_INDEX,
+                                       reduction="sum")
+                nll += loss.double().cpu()
+                count += int((y != IGNORE_INDEX).sum())
+        finally:
+            model.train(was_training)
+        sums = torch.tensor([nll.item(), float(count)], dtype=torch.float64)
+        if dist.is_initialized():
+            dist.all_reduce(sums)
+        total, n = sums.tolist()
+        if n == 0:
+            raise DataError("the validation set has no target tokens (every SFT answer cut off?); raise "
+                            "data.seq_len or check data.val_path")
+        loss = total / n
+        return {"val_loss": loss, "val_ppl": math.exp(min(loss, 700.0)),
+                "val_bpb": total / math.log(2) / self.bytes if self.bytes else None,
+                "val_tokens": int(n), "val_time_s": time.perf_counter() - t0}
+
+
+def _utf8_bytes(tokenizer, ids: np.ndarray, chunk: int = 1 << 20) -> int | None:
+    """UTF-8 bytes of the text the target tokens spell (end-of-text tokens spell none); None when the tokenizer
+    cannot say (a decode error). Decoded in chunks: a character cut between two chunks is counted in full
+    (the tokenizer replaces a partial one with U+FFFD, 3 bytes: off by at most a few bytes per million)."""
+    try:
+        return sum(len(tokenizer.decode(ids[a : a + chunk].tolist()).encode("utf-8"))
+                   for a in range(0, len(ids), chunk)) or None
+    except Exception:  # a tokenizer without a usable decoder: no bits per byte
+        return None
+
+
+def best_logged(metrics_file: Path, up_to: int) -> tuple[float, int] | None:
+    """The lowest val_loss in a metrics.jsonl (steps <= up_to: what a resumed run carries over) and its step."""
+    best = None
+    try:
+        lines = metrics_file.read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        try:
+            r = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(r, dict) and isinstance(r.get("val_loss"), (int, float)) and r.get("step", up_to + 1) <= up_to:
+            if best is None or r["val_loss"] < best[0]:
+                best = (float(r["val_loss"]), int(r["step"]))
+    return best
