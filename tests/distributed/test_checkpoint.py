@@ -70,23 +70,26 @@ def train_then(runs: list[tuple[list[str], int | None]]) -> list[dict]:
 def runs(tmp_path_factory, corpus):
     tmp = tmp_path_factory.mktemp("ckpt")
     cache = tmp / "cache"
+    ck = tmp / "half4" / "checkpoints" / f"step-{HALF}"
+
+    def resumed(name, mbs, **extra):  # a run from half4's step-6, on other ranks or another mesh
+        return _overrides(tmp / name, corpus, cache, mbs=mbs, **{"checkpoint.resume": str(ck), **extra}), None
+
     res = {}
-    # 4 ranks: one straight 12-step run, and a 6-step run that saves its final state.
-    res["straight4"], res["first4"] = run_ranks(4, train_then, [
+    # 4 ranks: one straight 12-step run, a 6-step run that saves its final state, and its resume on a 2x2 mesh.
+    res["straight4"], res["first4"], res["to2x2"] = run_ranks(4, train_then, [
         (_overrides(tmp / "straight4", corpus, cache, mbs=1), None),
         (_overrides(tmp / "half4", corpus, cache, mbs=1), HALF),
+        resumed("to2x2", mbs=1, **{"parallel.dp_replicate": 2}),
     ])
-    ck = tmp / "half4" / "checkpoints" / f"step-{HALF}"
-    for name, world, mbs, extra in (("to2", 2, 2, {}), ("to1", 1, 4, {}),
-                                    ("to2x2", 4, 1, {"parallel.dp_replicate": 2})):
-        (res[name],) = run_ranks(world, train_then, [
-            (_overrides(tmp / name, corpus, cache, mbs=mbs, **{"checkpoint.resume": str(ck), **extra}), None)])
-    # 2 ranks: 12 straight vs 6 + (stop) + resume from the output dir (auto) to 12.
-    res["straight2"], res["first2"], res["resumed2"] = run_ranks(2, train_then, [
+    # 2 ranks: the resume on 2 ranks; 12 straight vs 6 + (stop) + resume from the output dir (auto) to 12.
+    res["to2"], res["straight2"], res["first2"], res["resumed2"] = run_ranks(2, train_then, [
+        resumed("to2", mbs=2),
         (_overrides(tmp / "straight2", corpus, cache, mbs=2), None),
         (_overrides(tmp / "resume2", corpus, cache, mbs=2), HALF),
         (_overrides(tmp / "resume2", corpus, cache, mbs=2), None),
     ])
+    (res["to1"],) = run_ranks(1, train_then, [resumed("to1", mbs=4)])
     res["tmp"] = tmp
     return res
 

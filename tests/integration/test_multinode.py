@@ -82,12 +82,21 @@ def _two_nodes(tmp: Path, args: list[str], name: str, timeout: int = 300) -> str
     return logs
 
 
-def test_two_agents_make_a_2x2_hsdp_mesh_equal_to_4_ranks_on_one_node(tmp_path, corpus):
-    steps = 6
-    logs = _two_nodes(tmp_path, _train_args(tmp_path, corpus, "hsdp", steps), "hsdp")
+# The uninterrupted two-node run: the HSDP run compared with one node, and the reference of the node-vanish test.
+STEPS, VANISH = 10, {"checkpoint.interval": 4, "parallel.step_timeout_s": 20}
+
+
+@pytest.fixture(scope="module")
+def two_node_run(tmp_path_factory, corpus) -> tuple[Path, str]:
+    tmp = tmp_path_factory.mktemp("hsdp")
+    return tmp, _two_nodes(tmp, _train_args(tmp, corpus, "hsdp", STEPS, **VANISH), "hsdp")
+
+
+def test_two_agents_make_a_2x2_hsdp_mesh_equal_to_4_ranks_on_one_node(two_node_run, corpus):
+    (tmp_path, logs), steps = two_node_run, STEPS
     assert "mesh dp_replicate=2 x dp_shard=2 (auto: HSDP 2 x 2 (2 ranks per node, from LOCAL_WORLD_SIZE)" in logs
     one = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
-                          *_train_args(tmp_path, corpus, "fsdp", steps)],
+                          *_train_args(tmp_path, corpus, "fsdp", steps, **VANISH)],
                          capture_output=True, text=True, env=ENV, cwd=ROOT, timeout=300)
     assert one.returncode == 0, one.stdout[-3000:] + one.stderr[-3000:]
     assert "mesh dp_shard=4 (auto: FSDP over all 4 ranks (one node" in one.stdout
@@ -103,9 +112,12 @@ def test_a_stalled_rank_makes_the_others_time_out_naming_the_phase(tmp_path, cor
     parallel.step_timeout_s and exits 8 with one line naming the step, the phase and rank 1."""
     env = {**ENV, "SHARDLM_TEST_STALL": "1:3:backward reduce-scatter:120"}
     t0 = time.monotonic()
+    # preempt_grace_s: rank 1, asleep, gets torchrun's SIGTERM once rank 0 has failed; it then ends after
+    # this grace (the default 25 s is time this test would only wait)
     p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
                         *_train_args(tmp_path, corpus, "stall", 6, **{"parallel.step_timeout_s": 4,
-                                                                      "parallel.dp_replicate": 1})],
+                                                                      "parallel.dp_replicate": 1,
+                                                                      "checkpoint.preempt_grace_s": 1})],
                        capture_output=True, text=True, env=env, cwd=ROOT, timeout=200)
     took = time.monotonic() - t0
     out = p.stdout + p.stderr
@@ -119,13 +131,12 @@ def test_a_stalled_rank_makes_the_others_time_out_naming_the_phase(tmp_path, cor
     assert took < 100, took  # not the 120 s the rank sleeps, not gloo's 30 min default
 
 
-def test_a_node_that_vanishes_ends_the_others_and_a_restart_resumes(tmp_path, corpus):
+def test_a_node_that_vanishes_ends_the_others_and_a_restart_resumes(tmp_path, corpus, two_node_run):
     """Node 1 (its agent and both its ranks) is SIGKILLed after step 4's checkpoint: node 0's ranks exit
     within step_timeout_s + 30 s with one line each naming the step, the phase and node 1's ranks; node 0's
     agent (--max-restarts=1) restarts its ranks, a new node 1 joins, and the run resumes from the
-    checkpoint and ends with the losses of an uninterrupted run."""
-    steps, extra = 10, {"checkpoint.interval": 4, "parallel.step_timeout_s": 20}
-    _two_nodes(tmp_path, _train_args(tmp_path, corpus, "ref", steps, **extra), "ref")
+    checkpoint and ends with the losses of an uninterrupted run (`two_node_run`'s, the same config)."""
+    steps, extra = STEPS, VANISH
     args = _train_args(tmp_path, corpus, "faulty", steps, **extra)
     # Rank 0 pauses in step 6 so that the kill lands mid-run, after step-4 is on disk.
     env = {**ENV, "SHARDLM_TEST_STALL": "0:6:data:6"}
@@ -159,7 +170,7 @@ def test_a_node_that_vanishes_ends_the_others_and_a_restart_resumes(tmp_path, co
         _stop(*procs)
     log0 = logs[0].read_text()
     assert "checkpoint: resumed from" in log0 and "step-4" in log0, log0[-3000:]
-    recs, ref = _records(run), _records(tmp_path / "ref")
+    recs, ref = _records(run), _records(two_node_run[0] / "hsdp")
     assert [r["step"] for r in recs] == list(range(1, steps + 1))
     for a, b in zip(recs, ref):
         assert abs(a["loss"] - b["loss"]) <= 1e-6 * abs(b["loss"]), (a, b)
