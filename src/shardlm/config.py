@@ -73,6 +73,11 @@ class LoraSection:
     train_norms: bool = _f(False, "Also train the RMSNorm weights.")
     adapters_only: bool = _f(False, "Checkpoints hold only the trainable parameters (adapters) and their "
                              "optimizer state: small; resuming re-reads the base from model.init_from.")
+    base_dtype: Literal["auto", "bf16", "fp32", "nf4"] = _f(
+        "auto", "How the frozen base weights are stored (they are never updated): auto = the training precision "
+        "(bf16 under bf16/fp8, fp32 under fp32); bf16; fp32; nf4 = QLoRA: the base linears (lora.targets) as "
+        "torchao NF4 (4-bit, block size 64, double-quantised scales), all-gathered in NF4, dequantised per matmul "
+        "(needs the [fp8] extra: torchao).")
 
 
 @dataclass
@@ -128,6 +133,10 @@ class TrainSection:
         "none", "Activation checkpointing: none; full (every block); selective (every train.ac_every-th block); "
         "selective_op (save matmul outputs, recompute the rest).")
     ac_every: int = _f(2, "With train.ac=selective: checkpoint every n-th block.")
+    loss_chunk_tokens: int = _f(
+        4096, "The output head and the cross-entropy run over this many tokens of a micro-batch at a time, each "
+        "chunk recomputed in backward: at most (chunk, vocab) logits exist, never the full (tokens, vocab) fp32 "
+        "ones (same loss and gradients; one more head forward per step). 0 = all tokens at once.")
     cpu_offload: bool = _f(False, "Keep sharded parameters, gradients and optimizer state in CPU memory "
                            "(FSDP2 CPUOffloadPolicy; the optimizer step runs on the CPU).")
     compile: bool = _f(False, "torch.compile each transformer block (worth it on GPUs; off on CPU).")
@@ -141,6 +150,9 @@ class TrainSection:
     beta1: float = _f(0.9, "AdamW beta1.")
     beta2: float = _f(0.95, "AdamW beta2.")
     eps: float = _f(1e-8, "AdamW epsilon.")
+    optimizer_state_dtype: Literal["fp32", "bf16", "int8"] = _f(
+        "fp32", "AdamW moments: fp32; bf16 (half the bytes; master weights stay fp32); int8 = torchao's 8-bit AdamW "
+        "(block-wise quantised moments, a quarter of the bytes; needs the [fp8] extra: torchao).")
     grad_clip: float = _f(1.0, "Clip the global gradient norm to this value; 0 disables clipping.")
     nonfinite: Literal["stop", "skip"] = _f(
         "stop", "Checked every step on every rank, before the optimizer step: a NaN/inf loss or gradient norm. "
@@ -605,7 +617,8 @@ def validate(cfg: Config) -> None:
     if bad_env:
         raise ConfigError(f"env.set: {bad_env[0]!r} is not an environment variable name (letters, digits, _)")
     nonneg = {"train.seed": t.seed, "train.lr": t.lr, "train.warmup_steps": t.warmup_steps, "train.weight_decay": t.weight_decay,
-              "train.grad_clip": t.grad_clip, "train.sample_tokens": t.sample_tokens, "train.eps": t.eps}
+              "train.grad_clip": t.grad_clip, "train.sample_tokens": t.sample_tokens, "train.eps": t.eps,
+              "train.loss_chunk_tokens": t.loss_chunk_tokens}
     for key, v in nonneg.items():
         if v < 0:
             raise ConfigError(f"{key} must be >= 0, got {v}")

@@ -27,7 +27,6 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from shardlm.data.order import IGNORE_INDEX
 from shardlm.errors import DataError
@@ -44,6 +43,7 @@ class Validator:
         d, e = cfg.data, cfg.eval
         self.device, self.dp_rank, self.dp_size = device, dp_rank, dp_size
         self.mbs = e.micro_batch_size or cfg.train.micro_batch_size
+        self.loss_chunk_tokens = cfg.train.loss_chunk_tokens  # as training: never the full fp32 logits
         self.seq_len = L = d.seq_len
         one = SampleOrder(1, 1, 1, 0, 1)  # the loaders' own order is unused: rows are asked for by index
         if store.kind == "sft":
@@ -92,9 +92,7 @@ class Validator:
         try:
             for batch in self._batches():
                 x, y, *pos = (b.to(self.device, non_blocking=True) for b in batch)
-                logits = model(x, *pos)
-                loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), ignore_index=IGNORE_INDEX,
-                                       reduction="sum")
+                loss = model(x, *pos, labels=y, loss_chunk_tokens=self.loss_chunk_tokens)
                 nll += loss.double().cpu()
                 count += int((y != IGNORE_INDEX).sum())
         finally:

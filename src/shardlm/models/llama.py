@@ -17,6 +17,12 @@ preallocated per-layer cache and attends over everything cached, so after the pr
 each new token costs one token's forward, however long the prefix. Rows may be left-padded; the
 cache knows each row's padding, gives every token its own position and keeps padding unread.
 
+Training loss: `forward(tokens, labels=labels)` returns the fp32 cross-entropy summed over the target
+tokens instead of logits. With `loss_chunk_tokens` the output head and the loss run that many tokens at a
+time, each chunk under activation checkpointing: no more than (chunk, vocab) logits exist at once, and the
+loss and gradients are those of the whole (B, T, vocab) logits. Inside `forward` on purpose: under FSDP the
+head's weight is unsharded only within the root module's forward and backward.
+
 Nothing here knows about distribution: the model is built on the `meta` device, sharded from
 outside (`shardlm.parallel`), materialised with `to_empty`, then `init_weights()` fills it.
 """
@@ -33,6 +39,9 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+IGNORE_INDEX = -100  # a label that is not a target (cross_entropy's default; shardlm.data uses the same)
 
 
 @dataclass(frozen=True)
@@ -427,7 +436,8 @@ class Transformer(nn.Module):
         self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None, *,
-                cache: KVCache | None = None, last_only: bool = False) -> torch.Tensor:
+                cache: KVCache | None = None, last_only: bool = False, labels: torch.Tensor | None = None,
+                loss_chunk_tokens: int = 0) -> torch.Tensor:
         """tokens: (B, T) int64 -> logits (B, T, vocab) (with `last_only`: (B, 1, vocab), the last token's).
 
         positions: None (one sequence per row, positions 0..T-1, causal attention), or (B, T) int64,
@@ -437,7 +447,13 @@ class Transformer(nn.Module):
         cache: decode with a `KVCache`: the tokens continue what the cache holds (positions come from it,
         so `positions` must be None), their keys and values are appended, and each reads every earlier
         token of its row. `last_only` spares a prefill the (B, T, vocab) logits.
+
+        labels: (B, T) int64 targets (IGNORE_INDEX: not a target): returns the fp32 cross-entropy summed over
+        the targets (a scalar) instead of logits, computed `loss_chunk_tokens` tokens at a time (0: at once);
+        see `loss`.
         """
+        if labels is not None and (cache is not None or last_only):
+            raise ValueError("labels (a training loss) go with neither a KV cache nor last_only")
         if cache is not None:
             if positions is not None:
                 raise ValueError("positions come from the KV cache (its length and padding); pass one or the other")
@@ -472,9 +488,36 @@ class Transformer(nn.Module):
         if last_only:
             h = h[:, -1:]
         h = self.norm(h)
+        if labels is not None:
+            return self.loss(h, labels, loss_chunk_tokens)
+        return self.head(h)
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        """Logits of final-norm outputs: `lm_head`, or the tied embeddings."""
         if self.lm_head is None:
             return F.linear(h, self.embed_tokens.weight.to(h.dtype))
         return self.lm_head(h)
+
+    def _loss_sum(self, h: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(self.head(h).float(), labels, ignore_index=IGNORE_INDEX, reduction="sum")
+
+    def loss(self, h: torch.Tensor, labels: torch.Tensor, chunk_tokens: int = 0) -> torch.Tensor:
+        """fp32 cross-entropy of the head over final-norm outputs h (B, T, dim), summed over the targets.
+
+        chunk_tokens > 0: the (B*T) tokens go through the head and the loss `chunk_tokens` at a time, each
+        chunk under non-reentrant checkpointing, so its logits are freed once its loss is known and
+        recomputed in backward (one more head forward per step); the head's gradient sums over the chunks.
+        Peak logits memory: (chunk_tokens, vocab) instead of (B*T, vocab), in fp32 and the compute dtype.
+        """
+        h, labels = h.flatten(0, 1), labels.flatten()
+        if labels.shape[0] != h.shape[0]:
+            raise ValueError(f"labels hold {labels.shape[0]} tokens, the inputs {h.shape[0]}")
+        n = h.shape[0]
+        if chunk_tokens <= 0 or chunk_tokens >= n:
+            return self._loss_sum(h, labels)
+        losses = [checkpoint(self._loss_sum, h[i : i + chunk_tokens], labels[i : i + chunk_tokens],
+                             use_reentrant=False) for i in range(0, n, chunk_tokens)]
+        return torch.stack(losses).sum()
 
     def new_cache(self, batch_size: int, max_len: int, pad: torch.Tensor | None = None) -> KVCache:
         """An empty `KVCache` for this model (see KVCache for `pad`)."""

@@ -4,6 +4,8 @@ The loss is a mean over every target token of the global batch: each rank sums i
 and scales them by dp / (global target-token count), since FSDP averages gradients over dp.
 A micro-batch is (inputs, labels), or (inputs, labels, positions) for document-masked packed rows
 (`shardlm.data.packing`): the positions go to the model, and masked labels are simply not targets.
+The model computes the loss itself (`Transformer.forward(..., labels=)`), `loss_chunk_tokens` tokens of
+the output head at a time (train.loss_chunk_tokens): full (tokens, vocab) fp32 logits never exist.
 """
 
 from __future__ import annotations
@@ -11,10 +13,7 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
-
-from shardlm.data.loader import IGNORE_INDEX
 
 Batch = tuple[torch.Tensor, ...]  # (inputs, labels) or (inputs, labels, positions), each (B, T) int64
 
@@ -40,10 +39,13 @@ def set_grad_sync(model: nn.Module, k: int, n_micro: int, mode: str, hsdp: bool)
 
 def forward_backward(model: nn.Module, batches: list[Batch], scale: float, device: torch.device,
                      grad_sync: str = "micro_batch", hsdp: bool = False,
-                     before_micro_batch: Callable[[int], None] | None = None) -> torch.Tensor:
+                     before_micro_batch: Callable[[int], None] | None = None,
+                     loss_chunk_tokens: int = 0) -> torch.Tensor:
     """Forward + fp32 token-sum cross-entropy + backward of each micro-batch; the local loss sum.
 
     `scale` multiplies each micro-batch's loss sum before backward (dp / global target tokens).
+    `loss_chunk_tokens`: the head and loss run that many tokens at a time (0: all at once; see
+    `Transformer.loss`).
     `before_micro_batch(k)` is the planner's hook (it labels the memory of each micro-batch).
     """
     loss_sum = torch.zeros((), device=device)
@@ -52,13 +54,8 @@ def forward_backward(model: nn.Module, batches: list[Batch], scale: float, devic
         if before_micro_batch is not None:
             before_micro_batch(k)
         x, y = batch[0].to(device, non_blocking=True), batch[1].to(device, non_blocking=True)
-        if len(batch) > 2:
-            logits = model(x, batch[2].to(device, non_blocking=True))
-        else:
-            logits = model(x)
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten(), ignore_index=IGNORE_INDEX,
-                               reduction="sum")
-        del logits
+        positions = batch[2].to(device, non_blocking=True) if len(batch) > 2 else None
+        loss = model(x, positions, labels=y, loss_chunk_tokens=loss_chunk_tokens)
         (loss * scale).backward()
         loss_sum += loss.detach()
         del loss

@@ -374,7 +374,7 @@ class Trainer:
         n_tokens, stop, ctrl_c = counts[:3].tolist()
         self.rank_step_times = counts[3:].tolist() if slots else None
         loss_sum = forward_backward(self.model, batches, self.dims.dp / n_tokens, self.env.device, t.grad_sync,
-                                    self.dims.hsdp)
+                                    self.dims.hsdp, loss_chunk_tokens=t.loss_chunk_tokens)
         wd.enter("grad-norm all-reduce")
         norm = clip_grad_norm_(self.params, t.grad_clip, flag=loss_sum)
         grad_norm = norm.item()  # the step's one host read: the guard decides before the optimizer does
