@@ -9,7 +9,7 @@ TAKES_OVERRIDES = True
 
 def add_args(p: argparse.ArgumentParser) -> None:
     p.usage = ("shardlm plan [--config FILE] --gpu-mem-gib M [--nodes N] [--gpus-per-node G] [--headroom F] "
-               "[--json] [--no-alternatives] [--exact] [--section.key=value ...]")
+               "[--json] [--no-alternatives] [--exact] [--document-attention A] [--section.key=value ...]")
     p.epilog = ("exit code: 0 if the config fits, 3 if it does not.\n"
                 "--section.key=value overrides the config (see `shardlm train --help`).")
     p.add_argument("--config", metavar="FILE", help="TOML config file (default: the built-in defaults)")
@@ -22,6 +22,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-alternatives", dest="alternatives", action="store_false",
                    help="do not search for knobs that would make it fit")
     p.add_argument("--exact", action="store_true", help="run every layer (no extrapolation from shorter models)")
+    p.add_argument("--document-attention", choices=("auto", "flex", "sdpa-mask"), default=None, metavar="A",
+                   help="attention planned for data.document_mask: auto (default: flex, as the trainer runs on CUDA "
+                        "GPUs), flex, or sdpa-mask (a dense mask: GPUs without triton, CPUs)")
 
 
 def run(args: argparse.Namespace, overrides: list[str]) -> int:
@@ -30,8 +33,10 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
     from shardlm.plan import plan
 
     cfg = load_config(args.config, overrides)
-    headroom = {} if args.headroom is None else {"headroom": args.headroom}
-    report = plan(cfg, args.nodes * args.gpus_per_node, args.gpu_mem_gib, args.gpus_per_node, **headroom,
+    opt = {} if args.headroom is None else {"headroom": args.headroom}
+    if args.document_attention is not None:
+        opt["document_attention"] = args.document_attention
+    report = plan(cfg, args.nodes * args.gpus_per_node, args.gpu_mem_gib, args.gpus_per_node, **opt,
                   alternatives=args.alternatives, exact=args.exact)
     print(report.to_json() if args.json else report.format())
     return 0 if report.fits else PLAN_DOES_NOT_FIT

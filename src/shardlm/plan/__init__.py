@@ -53,7 +53,9 @@ scratch memory. `headroom` (default
 
 Modelled as the trainer runs it: LoRA, AC, HSDP, train.grad_sync, fp8 (torchao float8 linears,
 emulated on the fake CPU tensors: the same float8 copies), CPU offload (the FSDP policy is applied;
-what stays on the GPU is the peak less sharded params, grads and optimizer state). Not modelled,
+what stays on the GPU is the peak less sharded params, grads and optimizer state), data.document_mask
+(micro-batches with positions; the dense SDPA mask as it runs, flex attention by its kernels' tensors:
+`shardlm.plan.attention`; the report names the attention assumed). Not modelled,
 and said so in the plan's notes: train.compile (eager memory is planned) and the float8 all-gather
 (NCCL only: all-gather buffers are planned in bf16, an upper bound).
 
@@ -71,6 +73,8 @@ import torch.distributed as dist
 
 from shardlm.config import Config
 from shardlm.errors import ConfigError, PlanError
+from shardlm.plan.attention import FLEX_NOTE
+from shardlm.plan.attention import resolve as resolve_attention
 from shardlm.plan.extrapolate import NotAffine, extrapolate_peak, lerp, period_of, reduced_layers
 from shardlm.plan.fake_step import StepMemory, fake_step, model_config
 from shardlm.plan.report import DEFAULT_HEADROOM, GIB, Breakdown, PlanReport, Scenario
@@ -78,15 +82,16 @@ from shardlm.plan.search import alternatives as search_alternatives
 from shardlm.plan.search import fitting_extras
 
 
-def measure(cfg: Config, world_size: int, usable_bytes: int, name: str,
-            overrides: dict | None = None, exact: bool = False) -> tuple[Scenario, StepMemory]:
+def measure(cfg: Config, world_size: int, usable_bytes: int, name: str, overrides: dict | None = None,
+            exact: bool = False, document_attention: str = "auto") -> tuple[Scenario, StepMemory]:
     """One scenario: a fake step of `cfg` (or two short ones, extrapolated)."""
     t0 = time.perf_counter()
     mc, _ = model_config(cfg)
     reduced = None if exact else reduced_layers(mc.n_layers, period_of(cfg))
     note, step = "", None
     if reduced is not None:
-        a, b = (fake_step(cfg, world_size, dataclasses.replace(mc, n_layers=n), phases=True) for n in reduced)
+        a, b = (fake_step(cfg, world_size, dataclasses.replace(mc, n_layers=n), phases=True,
+                          document_attention=document_attention) for n in reduced)
         try:
             peak, offload = extrapolate_peak(a, b, mc.n_layers, b.n_layers - a.n_layers)
         except NotAffine as e:
@@ -98,7 +103,7 @@ def measure(cfg: Config, world_size: int, usable_bytes: int, name: str,
                               trainable=round(a.trainable + (b.trainable - a.trainable) * t), peak=peak,
                               model_state=state, offload=offload, phases=None)
     if step is None:
-        step = fake_step(cfg, world_size, mc)
+        step = fake_step(cfg, world_size, mc, document_attention=document_attention)
     t = cfg.train
     peak = Breakdown.from_flat(step.peak)
     scen = Scenario(name=name, world_size=world_size, micro_batch_size=t.micro_batch_size, seq_len=cfg.data.seq_len,
@@ -126,7 +131,7 @@ def resolve_auto(cfg: Config, mc, world_size: int, gpus_per_node: int, gpu_mem_g
     return cfg, f"parallel.dp_replicate x dp_shard = {dims.dp_replicate} x {dims.dp_shard}, {why}"
 
 
-def _notes(cfg: Config, shape_note: str | None) -> list[str]:
+def _notes(cfg: Config, shape_note: str | None, attention: str) -> list[str]:
     """One line for each setting the plan does not model exactly."""
     t, notes = cfg.train, []
     if shape_note:
@@ -137,6 +142,8 @@ def _notes(cfg: Config, shape_note: str | None) -> list[str]:
         ag = " (float8 all-gather is NCCL-only and not modelled: all-gathers planned in bf16, an upper bound)" \
             if t.fp8_recipe == "tensorwise" else ""
         notes.append(f"train.mixed_precision=fp8: torchao float8 linears planned with emulated matmuls{ag}")
+    if cfg.data.document_mask and attention == "flex":
+        notes.append(FLEX_NOTE)
     if t.compile:
         notes.append("train.compile is not modelled: eager memory (compiled blocks usually keep fewer temporaries)")
     if t.grad_accum > 1 and t.grad_sync == "step":
@@ -146,8 +153,11 @@ def _notes(cfg: Config, shape_note: str | None) -> list[str]:
 
 
 def plan(cfg: Config, world_size: int, gpu_mem_gib: float, gpus_per_node: int = 8,
-         headroom: float = DEFAULT_HEADROOM, alternatives: bool = True, exact: bool = False) -> PlanReport:
+         headroom: float = DEFAULT_HEADROOM, alternatives: bool = True, exact: bool = False,
+         document_attention: str = "auto") -> PlanReport:
     """Per-rank peak memory of one training step of `cfg` on `world_size` ranks of `gpu_mem_gib` GiB.
+
+    `document_attention` (with data.document_mask): auto | flex | sdpa-mask, see `shardlm.plan.attention`.
 
     Runs in this process on fake tensors and a fake process group (see the module docstring), so
     it must not be called where a process group already exists. When the config does not fit and
@@ -160,18 +170,23 @@ def plan(cfg: Config, world_size: int, gpu_mem_gib: float, gpus_per_node: int = 
     if world_size < 1 or gpu_mem_gib <= 0 or not 0 <= headroom < 1:
         raise ConfigError(f"plan: need world_size >= 1, gpu_mem_gib > 0 and headroom in [0, 1); got "
                           f"{world_size}, {gpu_mem_gib}, {headroom}")
+    try:
+        backend, why = resolve_attention(document_attention)
+    except ValueError as e:
+        raise ConfigError(f"plan: {e}") from None
     t0 = time.perf_counter()
     usable = int(gpu_mem_gib * (1 - headroom) * GIB)
     mc, shape_note = model_config(cfg)
     cfg, dims_note = resolve_auto(cfg, mc, world_size, gpus_per_node, gpu_mem_gib)
-    base, step = measure(cfg, world_size, usable, "as configured", exact=exact)
-    notes = ([dims_note] if dims_note else []) + _notes(cfg, shape_note) + ([base.note] if base.note else [])
+    base, step = measure(cfg, world_size, usable, "as configured", exact=exact, document_attention=backend)
+    notes = ([dims_note] if dims_note else []) + _notes(cfg, shape_note, backend) + ([base.note] if base.note else [])
     report = PlanReport(model=cfg.model.init_from or cfg.model.preset, n_params=step.n_params,
                         trainable_params=step.trainable, world_size=world_size, gpus_per_node=gpus_per_node,
-                        gpu_mem_gib=gpu_mem_gib, headroom=headroom, base=base, notes=notes)
+                        gpu_mem_gib=gpu_mem_gib, headroom=headroom, base=base, notes=notes,
+                        document_attention=f"{backend}: {why}" if cfg.data.document_mask else "")
 
     def run(variant: Config, ws: int, name: str, overrides: dict) -> Scenario:
-        return measure(variant, ws, usable, name, overrides, exact=exact)[0]
+        return measure(variant, ws, usable, name, overrides, exact=exact, document_attention=backend)[0]
 
     if alternatives:
         report.alternatives = (search_alternatives(cfg, base, usable, gpus_per_node, run, notes) if not base.fits

@@ -3,7 +3,8 @@
 The model comes from `shardlm.build.build_model` with one change, the materialisation: fake storage
 (FakeTensorMode: shapes, dtypes and sizes, no memory) instead of real storage and an init. The step
 is `shardlm.train.step.forward_backward` + the trainer's `clip_grad_norm_` + AdamW, inside
-FSDPMemTracker.
+FSDPMemTracker. With data.document_mask the micro-batches carry positions, as the trainer's do, and the
+model masks documents with the attention `shardlm.plan.attention` says (flex through stand-ins).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from shardlm.errors import ConfigError
 from shardlm.models import ModelConfig, get_preset
 from shardlm.parallel.dims import ParallelDims
 from shardlm.parallel.fsdp import clip_grad_norm_
+from shardlm.plan import attention
 from shardlm.plan.report import OFFLOADED, flat
 from shardlm.plan.tracker import PlanTracker
 from shardlm.train.optim import build_optimizer
@@ -136,7 +138,7 @@ def training_step(model, optimizer, pairs, batches, dims: ParallelDims, cfg: Con
     `forward_backward` (gradient sync per train.grad_sync), the trainer's grad-norm clip, the
     optimizer step, `zero_grad(set_to_none=True)`. The tracker labels each phase.
     """
-    n_tokens = sum(y.numel() for _, y in batches) * dims.dp
+    n_tokens = sum(b[1].numel() for b in batches) * dims.dp
 
     def label(k: int) -> None:
         tracker.phase = f"mb{k}"
@@ -144,7 +146,7 @@ def training_step(model, optimizer, pairs, batches, dims: ParallelDims, cfg: Con
             tracker.reset_mod_stats()  # per-module stats only; it refuses a 2nd root forward otherwise
 
     loss_sum = forward_backward(model, batches, dims.dp / n_tokens, batches[0][0].device, cfg.train.grad_sync,
-                                dims.hsdp, before_micro_batch=label)
+                                dims.hsdp, before_micro_batch=label, loss_chunk_tokens=cfg.train.loss_chunk_tokens)
     tracker.phase = "clip"
     clip_grad_norm_([p for p, _ in pairs], cfg.train.grad_clip, flag=loss_sum)
     _sync_grads(pairs)
@@ -155,14 +157,27 @@ def training_step(model, optimizer, pairs, batches, dims: ParallelDims, cfg: Con
     return state
 
 
-def fake_step(cfg: Config, world_size: int, mc: ModelConfig | None = None, phases: bool = False) -> StepMemory:
-    """One fake training step of `cfg` on `world_size` ranks, every layer of its model (or of `mc`)."""
+def micro_batches(cfg: Config, n: int, device: torch.device) -> list[tuple[torch.Tensor, ...]]:
+    """`n` micro-batches as the trainer's loader makes them: (inputs, labels), and positions with
+    data.document_mask (values do not matter to memory; under FakeTensorMode there are none)."""
+    b, t = cfg.train.micro_batch_size, cfg.data.seq_len
+    out = []
+    for _ in range(n):
+        x, y = (torch.zeros(b, t, dtype=torch.long, device=device) for _ in range(2))
+        out.append((x, y, attention.positions(b, t, device)) if cfg.data.document_mask else (x, y))
+    return out
+
+
+def fake_step(cfg: Config, world_size: int, mc: ModelConfig | None = None, phases: bool = False,
+              document_attention: str = "auto") -> StepMemory:
+    """One fake training step of `cfg` on `world_size` ranks, every layer of its model (or of `mc`);
+    document masks (data.document_mask) with `document_attention` (see `shardlm.plan.attention`)."""
     from shardlm._torch_compat import FakeStore, FakeTensorMode
 
     dims = ParallelDims(cfg.parallel.dp_replicate, cfg.parallel.dp_shard, world_size)
     mc = mc if mc is not None else model_config(cfg)[0]
     run = planned_config(cfg)
-    t, d = run.train, run.data
+    t = run.train
     dev = torch.device("cpu")
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
     try:
@@ -174,13 +189,11 @@ def fake_step(cfg: Config, world_size: int, mc: ModelConfig | None = None, phase
             trainable = sum(p.numel() for p, _ in pairs)  # global sizes (DTensor.numel)
             warm_optimizer(optimizer, pairs)
             n_micro = min(t.grad_accum, 2)  # the 2nd..k-th micro-batch look the same to memory
-            batches = [(torch.zeros(t.micro_batch_size, d.seq_len, dtype=torch.long, device=dev),
-                        torch.zeros(t.micro_batch_size, d.seq_len, dtype=torch.long, device=dev))
-                       for _ in range(n_micro)]
+            batches = micro_batches(run, n_micro, dev)
             tracker = PlanTracker(model, optimizer)
             tracker.phases = {} if phases else None
             tracker.track_inputs(tuple(batches))
-            with tracker:
+            with tracker, attention.planned(model, attention.resolve(document_attention)[0]):
                 state = training_step(model, optimizer, pairs, batches, dims, run, tracker)
             peak = flat(tracker.get_tracker_snapshot("peak"))
             offload = tracker.offload_peak or (peak["Total"] - sum(peak.get(n, 0) for n in OFFLOADED))

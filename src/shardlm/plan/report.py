@@ -113,6 +113,7 @@ class PlanReport:
     alternatives: list[Scenario] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     seconds: float = 0.0
+    document_attention: str = ""  # with data.document_mask: "flex: why" or "sdpa-mask: why" (plan.attention)
 
     @property
     def fits(self) -> bool:
@@ -140,6 +141,7 @@ class PlanReport:
             "peak_gib": round(self.peak_gib, 3), "base": self.base.to_dict(),
             "alternatives": [s.to_dict() for s in self.alternatives],
             "best_alternative": best.name if best else None, "notes": self.notes, "seconds": round(self.seconds, 2),
+            "document_attention": self.document_attention or None,
         }
 
     def to_json(self, indent: int | None = 1) -> str:
@@ -155,6 +157,7 @@ class PlanReport:
             f"usable {fmt_bytes(b.usable_bytes)} ({self.headroom:.0%} headroom)",
             f"  micro_batch_size={b.micro_batch_size} seq_len={b.seq_len} grad_accum={b.grad_accum} ac={b.ac} "
             f"lora.rank={b.lora_rank} cpu_offload={str(b.cpu_offload).lower()}",
+            *([f"  document masks ({self.document_attention})"] if self.document_attention else []),
             "",
             f"  {'per rank':<14} {'at peak':>12} {'model state':>12}",
         ]
