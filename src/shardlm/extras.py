@@ -6,7 +6,7 @@ with one line (a `ConfigError`) that names the package and the extra to install:
     `shardlm make-debug-hf` needs transformers (not installed): pip install 'shardlm[hf]'
 
 [hf] transformers, peft · [fp8] torchao · [viz] tensorboard, matplotlib · [data] pyarrow, zstandard ·
-[wandb] wandb. Nothing else in shardlm imports these
+[wandb] wandb · [eval] lm-eval. Nothing else in shardlm imports these
 at module level, so a command that does not use them never loads them (nor prints their import noise).
 """
 

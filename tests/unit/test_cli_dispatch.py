@@ -32,9 +32,9 @@ def test_help_lists_every_command(capsys, argv):
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert out.startswith("usage: shardlm <command>")
-    for name in ("train", "prepare", "plan", "generate", "convert", "make-debug-hf", "presets", "env", "bench", "plot"):
+    for name in ("train", "prepare", "plan", "generate", "eval", "convert", "make-debug-hf", "presets", "env", "bench", "plot"):
         assert f"\n    {name}" in out
-    assert set(COMMANDS) == {"train", "prepare", "plan", "generate", "convert", "make-debug-hf", "presets", "env", "bench", "plot"}
+    assert set(COMMANDS) == {"train", "prepare", "plan", "generate", "eval", "convert", "make-debug-hf", "presets", "env", "bench", "plot"}
 
 
 def test_no_command_prints_the_help_and_exits_2(capsys):
@@ -48,7 +48,7 @@ def test_version(capsys):
 
 
 @pytest.mark.parametrize("argv, needle", [
-    (["trian"], "unknown command 'trian'; commands: train, prepare, plan, generate, convert, make-debug-hf, presets, env, bench, plot"),
+    (["trian"], "unknown command 'trian'; commands: train, prepare, plan, generate, eval, convert, make-debug-hf, presets, env, bench, plot"),
     (["plan", "--nodes", "x", "--gpu-mem-gib", "80"], "plan: argument --nodes: invalid int value: 'x'"),
     (["plan", "--nodes", "2"], "plan: the following arguments are required: --gpu-mem-gib"),
     (["plan", "--gpu-mem-gib"], "plan: argument --gpu-mem-gib: expected one argument"),

@@ -17,6 +17,7 @@ import sys
 
 from shardlm import __version__
 from shardlm.cli import bench, convert, debug_assets, env, generate, plan, plot, prepare, presets, train
+from shardlm.cli import eval as eval_
 from shardlm.errors import EXIT_CODES, ConfigError, Interrupted, ShardlmError
 
 # name -> (module, one-line help), in the order `shardlm --help` lists them
@@ -26,6 +27,8 @@ COMMANDS = {
     "plan": (plan, "per-rank memory before launch: does it fit, and if not, what would"),
     "generate": (generate, "text from an HF folder or a checkpoint (KV cache; greedy, top-k/top-p; sharded "
                            "under torchrun)"),
+    "eval": (eval_, "lm-evaluation-harness tasks on an HF folder or a checkpoint, scored as lm-eval's HF backend "
+                    "(needs [eval])"),
     "convert": (convert, "checkpoints: dcp-to-hf (HF model or peft adapter), hf-to-dcp"),
     "make-debug-hf": (debug_assets, "a tiny HF-format model + SFT data (for configs/debug_lora.toml)"),
     "presets": (presets, "list the model presets"),
