@@ -9,6 +9,8 @@ import os
 import sys
 from pathlib import Path
 
+from shardlm.cli.generate import add_model_source
+
 TAKES_OVERRIDES = True
 
 
@@ -25,9 +27,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
                 "e.g. over a local jsonl: dataset_path: json, dataset_kwargs: {data_files: ...}). --section.key=value\n"
                 "overrides: train.device (auto/cpu/cuda), train.mixed_precision (auto = bf16 on GPUs, fp32 on CPU),\n"
                 "parallel.* under torchrun.")
-    src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--hf", metavar="DIR", help="an HF model folder (config.json + safetensors + tokenizer)")
-    src.add_argument("--checkpoint", metavar="DIR", help="a DCP checkpoint (step-N, or `convert hf-to-dcp` output)")
+    add_model_source(p)
     p.add_argument("--tasks", required=True, metavar="A,B", help="comma-separated task (or group) names")
     p.add_argument("--include-path", metavar="DIR", help="a folder of extra task YAMLs")
     p.add_argument("--num-fewshot", type=int, metavar="N", help="few-shot examples per prompt (default: the task's)")

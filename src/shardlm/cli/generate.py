@@ -11,6 +11,13 @@ from pathlib import Path
 TAKES_OVERRIDES = True
 
 
+def add_model_source(p: argparse.ArgumentParser) -> None:
+    """--hf DIR | --checkpoint DIR, one of them required (generate and eval load a model the same way)."""
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--hf", metavar="DIR", help="an HF model folder (config.json + safetensors + tokenizer)")
+    src.add_argument("--checkpoint", metavar="DIR", help="a DCP checkpoint (step-N, or `convert hf-to-dcp` output)")
+
+
 def add_args(p: argparse.ArgumentParser) -> None:
     p.usage = ("shardlm generate (--hf DIR | --checkpoint DIR) (--prompt TEXT ... | --prompts-file FILE) "
                "[--max-new-tokens N] [--temperature T] [--top-k K] [--top-p P] [--seed S] [--jsonl] "
@@ -25,9 +32,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
                 "GPUs, fp32 on CPU), parallel.* under torchrun. Output: each completion after a `### prompt N` line,\n"
                 "or with --jsonl one object per prompt ({prompt, prompt_ids, ids, text, finish}); a summary line\n"
                 "with tokens/s goes to stderr.")
-    src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--hf", metavar="DIR", help="an HF model folder (config.json + safetensors + tokenizer)")
-    src.add_argument("--checkpoint", metavar="DIR", help="a DCP checkpoint (step-N, or `convert hf-to-dcp` output)")
+    add_model_source(p)
     p.add_argument("--prompt", action="append", default=[], metavar="TEXT", help="a prompt (repeat for several)")
     p.add_argument("--prompts-file", metavar="FILE",
                    help="prompts: .jsonl ({\"prompt\": str} or {\"messages\": [...]} per line) or text (one a line)")
