@@ -91,10 +91,11 @@ class Minimal:
         with torch.device("meta"):
             model = Transformer(trainer.model_cfg)
         mp = MixedPrecisionPolicy(param_dtype=DTYPES[t.mixed_precision], reduce_dtype=DTYPES[t.reduce_dtype])
-        reshard = cfg.parallel.reshard_after_forward
+        reshard, n = cfg.parallel.reshard_after_forward, len(model.layers)
+        k = trainer.model.fsdp_choices.unsharded  # the last k blocks keep their parameters, as the trainer's do
         for i, block in enumerate(model.layers):
-            fully_shard(block, mesh=trainer.mesh, mp_policy=mp, reshard_after_forward=reshard and i < len(model.layers) - 1)
-        fully_shard(model, mesh=trainer.mesh, mp_policy=mp, reshard_after_forward=reshard)
+            fully_shard(block, mesh=trainer.mesh, mp_policy=mp, reshard_after_forward=i < n - k)
+        fully_shard(model, mesh=trainer.mesh, mp_policy=mp, reshard_after_forward=reshard is not False)
         model.to_empty(device=self.device)
         model.init_weights(seed=t.seed, shard_view=shard_view)
         self.model = model

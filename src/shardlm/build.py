@@ -1,7 +1,7 @@
 """THE model recipe. Trainer and planner (later eval and generate) build a model only through here.
 
-    meta -> LoRA / freeze -> float8 linears -> activation checkpointing -> compile -> fully_shard
-         -> materialise -> init or HF load
+    meta -> LoRA / freeze (the frozen base stored as lora.base_dtype: bf16, fp32 or NF4) -> float8 linears
+         -> activation checkpointing -> compile -> fully_shard -> materialise -> init or HF load
 
 `materialize` is the one step a caller may swap: the trainer allocates real storage and fills it
 (each rank only its shards: `init_weights` draws shard-invariant numbers, the HF load reads only
@@ -71,10 +71,15 @@ def build_model_config(cfg: Config, tokenizer_vocab: int, warn: Callable[[str], 
 
 
 def materialize_weights(model: Transformer, cfg: Config, device: torch.device) -> None:
-    """Real storage for this rank's shards, filled by a shard-invariant init or from the HF files."""
-    model.to_empty(device="cpu" if cfg.train.cpu_offload else device)
+    """Real storage for this rank's shards, filled by a shard-invariant init or from the HF files.
+
+    NF4 base weights (lora.base_dtype=nf4) are filled in bf16 shard by shard and quantised in place
+    (`shardlm.quant.nf4.quantize_into`): no rank holds more than its own shards unquantised.
+    """
+    device = torch.device("cpu") if cfg.train.cpu_offload else device
+    model.to_empty(device=device)
     if not cfg.model.init_from:
-        model.init_weights(seed=cfg.train.seed, shard_view=shard_view)  # LoRA adapters start here too (B = 0)
+        _init_weights(model, cfg, device)  # LoRA adapters start here too (B = 0)
         return
     from shardlm.lora import is_lora_param
 
@@ -91,40 +96,93 @@ def materialize_weights(model: Transformer, cfg: Config, device: torch.device) -
     load_hf_weights(model, cfg.model.hf_dir)
 
 
+def _init_weights(model: Transformer, cfg: Config, device: torch.device) -> None:
+    """`init_weights` on every parameter; an NF4 one is drawn (the same numbers) into a plain buffer of this
+    rank's rows, then quantised (`quantize_into`)."""
+    from shardlm.quant.nf4 import nf4_params
+
+    nf4 = nf4_params(model)
+    model.init_weights(seed=cfg.train.seed, shard_view=shard_view, only=lambda n: n not in nf4)
+    if not nf4:
+        return
+    from shardlm.quant.nf4 import quantize_into
+
+    def fill(name: str, p: torch.Tensor, shape: tuple[int, ...], row0: int) -> torch.Tensor:
+        buf = torch.empty(shape, dtype=torch.float32, device=device)
+        model.init_weights(seed=cfg.train.seed, shard_view=lambda q: (buf, row0) if q is p else shard_view(q),
+                           only=lambda n: n == name)
+        return buf
+
+    quantize_into(model, fill, device)
+
+
+def base_dtype(cfg: Config, device_type: str = "cuda") -> str:
+    """lora.base_dtype resolved: bf16 | fp32 | nf4 (auto = the training precision on `device_type`)."""
+    if cfg.lora.base_dtype != "auto":
+        return cfg.lora.base_dtype
+    return "fp32" if cfg.train.precision(device_type) == "fp32" else "bf16"
+
+
+def frozen_dtype(cfg: Config, device_type: str = "cuda") -> torch.dtype:
+    """Storage dtype of the frozen base parameters that are not NF4 (norms, embeddings, other linears)."""
+    b = base_dtype(cfg, device_type)
+    if b == "nf4":  # the rest of a QLoRA base: the training precision's
+        b = "fp32" if cfg.train.precision(device_type) == "fp32" else "bf16"
+    return torch.float32 if b == "fp32" else torch.bfloat16
+
+
 def uses_fp8_all_gather(cfg: Config, device: torch.device) -> bool:
     """Whether FSDP all-gathers float8 weights (then the optimizer step is followed by a scale update)."""
     return cfg.train.mixed_precision == "fp8" and fp8_all_gather(cfg.train.fp8_recipe, device)
 
 
-def meta_model(cfg: Config, mc: ModelConfig) -> Transformer:
-    """The model on the meta device (no memory), with LoRA adapters and the frozen base marked."""
+def meta_model(cfg: Config, mc: ModelConfig, device_type: str = "cuda") -> Transformer:
+    """The model on the meta device (no memory), with LoRA adapters and the frozen base marked and stored
+    as lora.base_dtype says (resolved for `device_type`): bf16 / fp32, or NF4 for the target linears."""
     lo = cfg.lora
     with torch.device("meta"):
         model = Transformer(mc)
     if lo.rank > 0:
-        from shardlm.lora import apply_lora
+        from shardlm.lora import apply_lora, cast_frozen
 
         try:
             apply_lora(model, lo.rank, lo.alpha, lo.dropout, lo.targets, train_embeddings=lo.train_embeddings,
                        train_norms=lo.train_norms)
         except ValueError as e:
             raise ConfigError(f"lora.targets: {e}") from None
+        if base_dtype(cfg, device_type) == "nf4":
+            from shardlm.quant.nf4 import apply_nf4
+
+            apply_nf4(model)
+        cast_frozen(model, frozen_dtype(cfg, device_type))
     return model
 
 
-def model_state_bytes(cfg: Config, mc: ModelConfig) -> int:
-    """Bytes of model state over all ranks: fp32 weights + gradients + two AdamW moments (16 bytes) per
-    trained parameter, fp32 weights (4 bytes) per frozen one. What `parallel.dp_shard=auto` shares out."""
-    params = list(meta_model(cfg, mc).parameters())
-    trained = sum(p.numel() for p in params if p.requires_grad)
-    return 16 * trained + 4 * (sum(p.numel() for p in params) - trained)
+def model_state_bytes(cfg: Config, mc: ModelConfig, device_type: str = "cuda") -> int:
+    """Bytes of model state over all ranks: fp32 weights + gradients + two AdamW moments (16 bytes; 12 with
+    train.optimizer_state_dtype=bf16, ~10 with int8) per trained parameter, the frozen base as stored (lora.base_dtype: 4 bytes fp32, 2 bf16, ~0.52 NF4).
+    What `parallel.dp_shard=auto` shares out."""
+    from shardlm.quant.nf4 import is_nf4, nf4_nbytes
+
+    total = 0
+    per_trained = 8 + {"fp32": 8, "bf16": 4, "int8": 2}[cfg.train.optimizer_state_dtype]  # + the two moments
+    for p in meta_model(cfg, mc, device_type).parameters():
+        if p.requires_grad:
+            total += per_trained * p.numel()
+        else:
+            total += nf4_nbytes(p.numel()) if is_nf4(p) else p.numel() * p.dtype.itemsize
+    return total
 
 
 def build_model(cfg: Config, mc: ModelConfig, mesh: DeviceMesh, device: torch.device,
                 materialize: Materialize = materialize_weights) -> Transformer:
     """The model of `cfg`, sharded over `mesh`; no rank ever holds the whole model."""
     t = cfg.train
-    model = meta_model(cfg, mc)
+    model = meta_model(cfg, mc, device.type)
+    if base_dtype(cfg, device.type) == "nf4":
+        from shardlm.quant.nf4 import check_shapes
+
+        check_shapes(model, mesh.size(mesh.ndim - 1))  # the dp_shard dimension (last in an HSDP mesh)
     if t.mixed_precision == "fp8":
         check_fp8_hardware(device, t.fp8_emulate)
         apply_fp8(model, t.fp8_recipe, t.fp8_emulate, uses_fp8_all_gather(cfg, device))
@@ -132,6 +190,6 @@ def build_model(cfg: Config, mc: ModelConfig, mesh: DeviceMesh, device: torch.de
     if t.compile:
         apply_compile(model, t.compile_backend)
     apply_fsdp(model, mesh, mp_policy(t.precision(device.type), t.reduce_dtype), cfg.parallel.reshard_after_forward,
-               cpu_offload=t.cpu_offload)
+               cpu_offload=t.cpu_offload, prefetch=cfg.parallel.prefetch)
     materialize(model, cfg, device)
     return model

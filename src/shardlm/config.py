@@ -104,9 +104,16 @@ class ParallelSection:
         "auto", "Before step 1 each rank times a GEMM and an all-reduce on every mesh dimension and a rank more "
         "than 20% slower than the median is named: true/false, auto (= true on more than one node), strict "
         "(stop, exit 9, when a rank is slow).")
-    reshard_after_forward: bool = _f(
-        True, "Free unsharded parameters after each block's forward (ZeRO-3); false keeps them for "
-        "backward (ZeRO-2: more memory, one all-gather less per block).")
+    reshard_after_forward: int | bool | Literal["auto"] = _f(
+        "auto", "Free each block's unsharded parameters after its forward (ZeRO-3) and all-gather them again in "
+        "backward. true: every block but the last (backward needs it at once); false: none (ZeRO-2: more memory, "
+        "one all-gather less per block); N: the last N blocks keep theirs (the first N of backward); auto: on GPUs "
+        "the last N blocks whose unsharded parameters fit in 5% of the device's free memory at startup (at least "
+        "1), and 1 on CPU or with train.cpu_offload. The startup line says which N and why.")
+    prefetch: int = _f(
+        1, "Blocks whose parameters FSDP all-gathers ahead of use: 1 = FSDP2's implicit prefetch of the next block; "
+        "N > 1 = explicitly the next N blocks in forward and the previous N in backward (more overlap of "
+        "all-gathers with compute, N unsharded blocks of memory in flight). Losses do not change.")
 
 
 @dataclass
@@ -142,6 +149,11 @@ class TrainSection:
     compile: bool = _f(False, "torch.compile each transformer block (worth it on GPUs; off on CPU).")
     compile_backend: str = _f("inductor", "torch.compile backend for train.compile: inductor (fused kernels), "
                               "aot_eager (traces forward and backward, no codegen: for debugging), eager.")
+    attention_backend: Literal["auto", "flash", "cudnn", "efficient", "math"] = _f(
+        "auto", "SDPA kernel for causal attention in training: auto = cuDNN first on Hopper GPUs (bf16/fp16, "
+        "head_dim <= 128, a torch with cuDNN attention), else torch's own choice (flash on Ampere+, the CPU "
+        "kernel on CPU); flash | cudnn | efficient | math = only that kernel (an unavailable one stops at "
+        "startup). Document-masked flex attention is not affected. The startup line says which.")
     lr: float = _f(3e-4, "Peak learning rate (AdamW).")
     warmup_steps: int = _f(10, "Linear warmup steps from ~0 to train.lr.")
     lr_schedule: Literal["cosine", "linear", "constant"] = _f("cosine", "Decay after warmup.")
@@ -152,7 +164,10 @@ class TrainSection:
     eps: float = _f(1e-8, "AdamW epsilon.")
     optimizer_state_dtype: Literal["fp32", "bf16", "int8"] = _f(
         "fp32", "AdamW moments: fp32; bf16 (half the bytes; master weights stay fp32); int8 = torchao's 8-bit AdamW "
-        "(block-wise quantised moments, a quarter of the bytes; needs the [fp8] extra: torchao).")
+        "(block-wise quantised moments, a quarter of the bytes; needs the [fp8] extra: torchao). The update is fp32 in "
+        "every case. int8 keeps fp32 moments for tensors under 4096 values (norms) and needs each rank's shard of a "
+        "matrix to be whole 256-value blocks (always so when model.dim is a multiple of 256). A checkpoint saved "
+        "under another setting resumes by conversion.")
     grad_clip: float = _f(1.0, "Clip the global gradient norm to this value; 0 disables clipping.")
     nonfinite: Literal["stop", "skip"] = _f(
         "stop", "Checked every step on every rank, before the optimizer step: a NaN/inf loss or gradient norm. "
@@ -591,6 +606,13 @@ def validate(cfg: Config) -> None:
     if p.dp_shard == -1 and p.dp_replicate == "auto":
         raise ConfigError("parallel.dp_replicate=auto needs parallel.dp_shard as a number of ranks or auto "
                           "(-1 means 'the rest of the world', which leaves nothing to choose)")
+    if isinstance(p.reshard_after_forward, int) and not isinstance(p.reshard_after_forward, bool) \
+            and p.reshard_after_forward < 1:
+        raise ConfigError(f"parallel.reshard_after_forward must be true, false, auto or a number of blocks >= 1, "
+                          f"got {p.reshard_after_forward}")
+    if p.prefetch < 1:
+        raise ConfigError(f"parallel.prefetch must be >= 1 (1 = FSDP's implicit prefetch of the next block), "
+                          f"got {p.prefetch}")
     if p.nvlink_domain < 0:
         raise ConfigError(f"parallel.nvlink_domain must be >= 0 (0 = one node), got {p.nvlink_domain}")
     if p.nvlink_domain and (p.dp_shard != "auto" or p.dp_replicate != "auto"):
@@ -640,6 +662,9 @@ def validate(cfg: Config) -> None:
         raise ConfigError("lora.targets is empty; name the linear layers to adapt (e.g. q_proj,v_proj)")
     if lo.adapters_only and not (lo.rank and cfg.model.hf_dir):
         raise ConfigError("lora.adapters_only needs lora.rank > 0 and model.init_from=hf:<dir> (the base to re-read)")
+    if lo.base_dtype == "nf4" and not lo.rank:
+        raise ConfigError("lora.base_dtype=nf4 (QLoRA) quantises the frozen base of LoRA layers: set lora.rank > 0, "
+                          "or use lora.base_dtype=auto")
     if cfg.model.init_from and not cfg.model.init_from.startswith(("hf:", "dcp:")):
         raise ConfigError(f"model.init_from={cfg.model.init_from!r}: use hf:/path/to/hf_model_dir or "
                           "dcp:/path/to/checkpoint")

@@ -165,6 +165,18 @@ def load_merged_lora(model: Transformer, ck: Path, pairs: Pairs, scaling: float,
     stored = saved_tensors(ck, "model")
     state = get_model_state_dict(model) if base else {}
     missing = sorted(state.keys() - stored.keys())
+    if missing:  # a QLoRA run's base weights are stored as NF4 pieces: read each dequantised, keep this rank's rows
+        from shardlm.checkpoint.reader import CheckpointReader
+
+        reader = CheckpointReader(ck)
+        for name in [n for n in missing if n in reader.nf4]:
+            local, shape, offset = shard_region(model.get_parameter(name))
+            if local.numel():
+                full = reader.read([name])[name]
+                local.copy_(full[tuple(slice(o, o + n) for o, n in zip(offset, shape))].to(local.dtype))
+                del full
+        nf4 = set(reader.nf4)
+        state, missing = {k: v for k, v in state.items() if k not in nf4}, [n for n in missing if n not in nf4]
     if missing:
         raise CheckpointError(f"{ck} lacks {len(missing)} weight(s) this model needs ({', '.join(missing[:3])}"
                               f"{', ...' if len(missing) > 3 else ''}); pass a checkpoint of this model")
@@ -280,7 +292,7 @@ def _build(cfg: Config, mc: ModelConfig, materialize) -> tuple[Transformer, torc
         env = init_distributed(cfg.train.device, cfg.parallel.init_timeout_s)
         try:
             topo = launch_topology()
-            dims, _ = resolve_dims(cfg.parallel, topo, lambda: model_state_bytes(cfg, mc),
+            dims, _ = resolve_dims(cfg.parallel, topo, lambda: model_state_bytes(cfg, mc, env.device.type),
                                    device_memory_bytes(env.device.type, env.local_rank, topo.ranks_per_node))
             model = build_model(cfg, mc, dims.build_mesh(env.device.type), env.device, materialize=materialize)
         except BaseException:

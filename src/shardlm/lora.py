@@ -154,6 +154,28 @@ def apply_lora(model: nn.Module, rank: int, alpha: float, dropout: float = 0.0,
 
 
 @torch.no_grad()
+def cast_frozen(model: nn.Module, dtype: torch.dtype) -> list[str]:
+    """Store every frozen floating-point parameter in `dtype` (lora.base_dtype); returns their names.
+
+    Trained parameters (adapters, and embeddings / norms when trained) keep their fp32 master weights; NF4
+    parameters stay NF4; tied parameters stay one parameter. Run it before fully_shard (on the meta model).
+    """
+    from shardlm.quant.nf4 import is_nf4
+
+    new: dict[int, nn.Parameter] = {}
+    names = []
+    for mod_name, m in model.named_modules(remove_duplicate=False):
+        for pname, p in list(m.named_parameters(recurse=False)):
+            if p.requires_grad or not p.is_floating_point() or p.dtype == dtype or is_nf4(p):
+                continue
+            if id(p) not in new:
+                new[id(p)] = nn.Parameter(p.detach().to(dtype), requires_grad=False)
+                names.append(f"{mod_name}.{pname}" if mod_name else pname)
+            setattr(m, pname, new[id(p)])
+    return names
+
+
+@torch.no_grad()
 def merge_lora(model: nn.Module) -> list[str]:
     """Fold B @ A * scaling into each base weight in place and swap back a plain nn.Linear (for export).
 

@@ -68,6 +68,11 @@ def test_step_traffic():
     assert _bytes(step_traffic(MB, 4, 2, True, 3, "step"))[1] == 1800
     assert _bytes(step_traffic(MB, 4, 1, False, 3, "micro_batch")) == ((4 * 100 + 50) * 2 * 3, 1800 * 3, 0)
     assert _bytes(step_traffic(MB, 1, 8)) == (0, 0, 1800)  # no sharding: plain replication
+    # the last 2 blocks kept unsharded (an integer, or auto with room for 2 blocks of 200 bytes in 5% of 8000)
+    two = ((6 * 100 + 2 * 50) * 2, 1800, 0)
+    assert _bytes(step_traffic(MB, 4, 1, 2)) == two
+    assert _bytes(step_traffic(MB, 4, 1, "auto", free_bytes=8000)) == two
+    assert _bytes(step_traffic(MB, 4, 1, "auto")) == _bytes(step_traffic(MB, 4, 1, True))  # no GPU: as true
     lora = ModelBytes(4, 100, 10, 50, 0, 2, 4)  # frozen weights are gathered, only the adapters reduced
     assert _bytes(step_traffic(lora, 4, 1)) == ((7 * 100 + 2 * 50) * 2, 40 * 4, 0)
 

@@ -70,7 +70,9 @@ CASES = {
 def _config(overrides: list[str], ac: str):
     from shardlm.config import load_config
 
-    return load_config(None, [*overrides, f"--train.ac={ac}"])
+    # the real side runs on CPU, where parallel.reshard_after_forward=auto keeps only the last block (= true);
+    # the planner plans auto for a GPU of --gpu-mem-gib (tests/unit/test_plan.py), so say true on both sides
+    return load_config(None, ["--parallel.reshard_after_forward=true", *overrides, f"--train.ac={ac}"])
 
 
 def _real_worker(cases: dict) -> dict:

@@ -310,3 +310,26 @@ def test_llama3_70b_extrapolated_equals_all_80_layers():
     full = plan(cfg, world_size=8, gpu_mem_gib=80, alternatives=False, exact=True)
     assert fast.base.peak.raw == full.base.peak.raw and fast.base.model_state.raw == full.base.model_state.raw
     assert fast.seconds < full.seconds
+
+
+def test_reshard_after_forward_auto_is_planned_for_the_gpu():
+    """auto keeps as many last blocks unsharded as fit in 5% of the planned GPU (at least 1), says so in a note,
+    and costs memory: its peak is above true's (1 block) on the same config."""
+    from shardlm.plan import resolve_reshard
+    from shardlm.plan.fake_step import model_config
+
+    cfg = _cfg("--model.preset=debug", "--data.seq_len=64", "--train.micro_batch_size=1")
+    mc, _ = model_config(cfg)
+    assert cfg.parallel.reshard_after_forward == "auto"  # the default
+    big, why = resolve_reshard(cfg, mc, 80)
+    assert big.parallel.reshard_after_forward == mc.n_layers and "auto planned as" in why
+    tiny, _ = resolve_reshard(cfg, mc, 1e-4)  # 5% of 105 KB holds no block
+    assert tiny.parallel.reshard_after_forward == 1
+    same, note = resolve_reshard(_cfg("--parallel.reshard_after_forward=true"), mc, 80)
+    assert same.parallel.reshard_after_forward is True and note == ""
+    auto = plan(cfg, world_size=4, gpu_mem_gib=80, gpus_per_node=4, alternatives=False)
+    true = plan(_cfg("--model.preset=debug", "--data.seq_len=64", "--train.micro_batch_size=1",
+                     "--parallel.reshard_after_forward=true"), world_size=4, gpu_mem_gib=80, gpus_per_node=4,
+                alternatives=False)
+    assert any("reshard_after_forward=auto planned as" in n for n in auto.notes)
+    assert auto.base.peak.total > true.base.peak.total

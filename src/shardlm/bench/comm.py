@@ -140,13 +140,15 @@ class Traffic:
     detail: dict[str, str]
 
 
-def step_traffic(mb: ModelBytes, dp_shard: int, dp_replicate: int, reshard_after_forward: bool = True,
-                 grad_accum: int = 1, grad_sync: str = "micro_batch") -> Traffic:
+def step_traffic(mb: ModelBytes, dp_shard: int, dp_replicate: int, reshard_after_forward: int | bool | str = True,
+                 grad_accum: int = 1, grad_sync: str = "micro_batch", free_bytes: int | None = None) -> Traffic:
     """What FSDP2 sends in one optimizer step, as `shardlm.parallel.fsdp.apply_fsdp` shards the model.
 
-    Per micro-batch: forward all-gathers every block and the root; with reshard_after_forward the
-    backward gathers them again, except the last block (apply_fsdp keeps it; the root is resharded:
-    torch >= 2.8 honours an explicit reshard_after_forward=True for it, pytorch#154704).
+    Per micro-batch: forward all-gathers every block and the root; the backward gathers them again,
+    except the last k blocks that keep their parameters (`parallel.fsdp.unsharded_blocks`: k = 1 with
+    true, every block with false, auto from `free_bytes`, the devices' free memory) and, with false, the
+    root (otherwise resharded: torch >= 2.8 honours an explicit reshard_after_forward=True for it,
+    pytorch#154704).
     Gradients (only the trainable ones: LoRA freezes the rest) are reduce-scattered after every
     micro-batch (grad_sync=micro_batch) or once (step); HSDP all-reduces the reduce-scattered
     shards across replicas once per step. Per-parameter padding to a multiple of dp_shard is ignored.
@@ -156,7 +158,10 @@ def step_traffic(mb: ModelBytes, dp_shard: int, dp_replicate: int, reshard_after
     ag = rs = 0
     detail = {c: "none" for c in COLLECTIVES}
     if dp_shard > 1:
-        bwd_blocks, root_gathers = (L - 1, 2) if raf else (0, 1)
+        from shardlm.parallel.fsdp import unsharded_blocks
+
+        k, _ = unsharded_blocks(raf, L, mb.block_params * mb.param_size, free_bytes)
+        bwd_blocks, root_gathers = L - k, (2 if raf is not False else 1)
         ag = ((L + bwd_blocks) * mb.block_params + root_gathers * mb.root_params) * mb.param_size * grad_accum
         detail["all_gather"] = (f"({L} fwd + {bwd_blocks} bwd) blocks + {root_gathers} root x {grad_accum} "
                                 f"micro-batch(es)")
@@ -393,8 +398,13 @@ def _step_estimate(cfg: Config, mc: Any, mb: ModelBytes, pdims: Any, rows: list[
     dist.all_reduce(f, op=dist.ReduceOp.MIN)  # the slowest rank sets the step
     source += ", slowest rank" if source.startswith("timed") else ""
     t = cfg.train
+    free = None  # reshard_after_forward=auto: as the trainer decides, from the least free memory of any rank
+    if cfg.parallel.reshard_after_forward == "auto" and device.type == "cuda" and not t.cpu_offload:
+        free_t = torch.tensor([torch.cuda.mem_get_info(device)[0]], dtype=torch.int64, device=device)
+        dist.all_reduce(free_t, op=dist.ReduceOp.MIN)
+        free = int(free_t.item())
     traffic = step_traffic(mb, pdims.dp_shard, pdims.dp_replicate, cfg.parallel.reshard_after_forward, t.grad_accum,
-                           t.grad_sync)
+                           t.grad_sync, free)
     dim_of = {"all_gather": "dp_shard", "reduce_scatter": "dp_shard", "all_reduce": "dp_replicate"}
     algbw = {c: next((r["algbw_gbps"] * 1e9 for r in rows if r["dim"] == dim_of[c] and r["collective"] == c
                       and r["label"] != "sweep" and r["algbw_gbps"]), None) for c in COLLECTIVES}

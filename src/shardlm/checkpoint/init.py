@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
@@ -52,5 +53,30 @@ def load_dcp_weights(model: nn.Module, path: Path) -> None:
         raise CheckpointError(f"model.init_from=dcp:{path} lacks {len(missing)} weight(s) this model needs "
                               f"({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''}); pass a checkpoint "
                               "of the same model")
-    dcp.load({"model": wanted}, checkpoint_id=str(path), planner=SafeLoadPlanner())
-    set_model_state_dict(model, wanted, options=StateDictOptions(strict=False))
+    from shardlm.quant.nf4 import nf4_params
+
+    nf4 = nf4_params(model)  # QLoRA base: read into bf16 buffers of this rank's rows, then quantised
+    plain = {k: _bf16_like(p) for k, (_, _, p) in nf4.items()}
+    rest = {k: v for k, v in wanted.items() if k not in nf4}
+    dcp.load({"model": {**rest, **plain}}, checkpoint_id=str(path), planner=SafeLoadPlanner())
+    set_model_state_dict(model, rest, options=StateDictOptions(strict=False))
+    if nf4:
+        from shardlm.quant.nf4 import quantize_into
+
+        quantize_into(model, lambda name, *_: _local(plain[name]), next(iter(plain.values())).device)
+
+
+def _bf16_like(p: torch.Tensor) -> torch.Tensor:
+    """A bf16 tensor sharded as `p` (a DTensor) or shaped as it, for DCP to read into."""
+    from torch.distributed.tensor import DTensor
+
+    from shardlm.quant.nf4 import local_shape
+
+    local = torch.empty(local_shape(p)[0], dtype=torch.bfloat16, device=p.device)
+    if not isinstance(p, DTensor):
+        return local
+    return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t

@@ -158,7 +158,14 @@ class Checkpointer:
         self.resumed_record: Record | None = None
         self.model, self.optimizer, self.states = model, optimizer, states
         # trainable_only (LoRA adapters_only): the frozen base is not saved; it is re-read from its source.
-        self.options = StateDictOptions(ignore_frozen_params=trainable_only, strict=not trainable_only)
+        # NF4 base weights (lora.base_dtype=nf4) are saved as their NF4 pieces (`nf4_pieces`: plain
+        # sharded tensors, ~0.52 bytes per weight; CheckpointReader dequantises them for the export) but
+        # never loaded back: the build re-quantised them from model.init_from (or the seed), bitwise the same.
+        from shardlm.quant.nf4 import nf4_params
+
+        self._nf4 = set(nf4_params(model)) if model is not None else set()
+        self.options = StateDictOptions(ignore_frozen_params=trainable_only,
+                                        strict=not (trainable_only or self._nf4))
         self._pending: tuple[Future, Path, Path] | None = None
         # The sidecar files (model_config.json, ...) rank 0 writes into every checkpoint before it is
         # published, so that `shardlm convert` can export a checkpoint on its own.
@@ -252,6 +259,7 @@ class Checkpointer:
             raise CheckpointError(f"{path} holds the model only (checkpoint.model_only); training cannot resume "
                                   "from it")
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=self.options)
+        model_sd = {k: v for k, v in model_sd.items() if k not in self._nf4}
         # A state with `load_template` is loaded at the checkpoint's own shapes, then handed over (it checks them).
         templates = {name: obj.load_template(saved_tensors(path, name)) for name, obj in self.states.items()
                      if hasattr(obj, "load_template")}
@@ -285,6 +293,10 @@ class Checkpointer:
         else:
             model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=self.options)
             state = {"model": model_sd, "optim": optim_sd, **{k: _tensors(v) for k, v in self.states.items()}}
+        if self._nf4:
+            from shardlm.quant.nf4 import nf4_pieces
+
+            state["model"] = nf4_pieces(state["model"])
         if self.cfg.async_ and not blocking:
             # async_save copies the state to host memory before returning: what lands on disk is
             # this step's state even though training goes on and changes the parameters.

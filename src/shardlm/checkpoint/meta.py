@@ -4,8 +4,8 @@ One owner for the sidecar schema. `CheckpointMeta.save(dir)` writes, `Checkpoint
 
   model_config.json  `dataclasses.asdict(ModelConfig)` (always written)
   lora_config.json   {"rank", "alpha", "dropout", "targets", "adapters_only", "train_embeddings", "train_norms",
-                     "base"} when LoRA is on ("base" is model.init_from again; the reader takes it only when
-                     hf_source.json is absent)
+                     "base_dtype" (only when not auto), "base"} when LoRA is on ("base" is model.init_from
+                     again; the reader takes it only when hf_source.json is absent)
   hf_source.json     {"init_from": "hf:/path", "tokenizer": spec} when the model came from an HF folder
   checkpoint.json    lineage and run facts (checkpoint/lineage.py owns it)
 
@@ -71,7 +71,14 @@ def _lora_from_dict(d: Mapping[str, Any]) -> LoraSection:
     return LoraSection(rank=rank, alpha=float(alpha), dropout=float(dropout), targets=list(targets),
                        adapters_only=bool(d.get("adapters_only", False)),
                        train_embeddings=bool(d.get("train_embeddings", False)),
-                       train_norms=bool(d.get("train_norms", False)))
+                       train_norms=bool(d.get("train_norms", False)),
+                       base_dtype=_base_dtype(d.get("base_dtype", "auto")))
+
+
+def _base_dtype(v: Any) -> str:
+    if v not in ("auto", "bf16", "fp32", "nf4"):
+        raise ValueError(f"'base_dtype' must be auto, bf16, fp32 or nf4, got {v!r}")
+    return v
 
 
 def tokenizer_dir_of(spec: str | None) -> Path | None:
@@ -148,10 +155,12 @@ class CheckpointMeta:
             out[MODEL_CONFIG_FILE] = json.dumps(dataclasses.asdict(self.model), indent=1)
         lo = self.lora
         if lo is not None:
-            out[LORA_CONFIG_FILE] = json.dumps({"rank": lo.rank, "alpha": lo.alpha, "dropout": lo.dropout,
-                                                "targets": lo.targets, "adapters_only": lo.adapters_only,
-                                                "train_embeddings": lo.train_embeddings,
-                                                "train_norms": lo.train_norms, "base": self.init_from}, indent=1)
+            d = {"rank": lo.rank, "alpha": lo.alpha, "dropout": lo.dropout, "targets": lo.targets,
+                 "adapters_only": lo.adapters_only, "train_embeddings": lo.train_embeddings,
+                 "train_norms": lo.train_norms, "base": self.init_from}
+            if lo.base_dtype != "auto":  # absent = auto: the files of the default setup stay as they were
+                d["base_dtype"] = lo.base_dtype
+            out[LORA_CONFIG_FILE] = json.dumps(d, indent=1)
         if self.hf_dir is not None:
             out[HF_SOURCE_FILE] = json.dumps({"init_from": self.init_from, "tokenizer": self.tokenizer}, indent=1)
         return out
@@ -213,7 +222,8 @@ class CheckpointMeta:
 
 
 # -- the resume check ------------------------------------------------------------------------------
-_LORA_FIELDS = ("rank", "alpha", "dropout", "targets", "adapters_only", "train_embeddings", "train_norms")
+_LORA_FIELDS = ("rank", "alpha", "dropout", "targets", "adapters_only", "train_embeddings", "train_norms",
+                "base_dtype")
 #: Names `checkpoint.allow_changed` accepts: what `resume_changes` can report.
 CHANGEABLE = tuple(f"model.{f.name}" for f in dataclasses.fields(ModelConfig) if f.name != "max_seq_len") + \
     tuple(f"lora.{f}" for f in _LORA_FIELDS) + ("tokenizer",)
@@ -237,8 +247,8 @@ def resume_changes(saved: CheckpointMeta, run: CheckpointMeta) -> dict[str, tupl
         out["lora.rank"] = (sl.rank if sl else 0, rl.rank if rl else 0)
     elif sl is not None and rl is not None:
         for k in _LORA_FIELDS:
-            if saved.lora_recorded and k not in saved.lora_recorded:
-                continue  # an older lora_config.json: not recorded, not compared
+            if saved.lora_recorded and k not in saved.lora_recorded and k != "base_dtype":
+                continue  # an older lora_config.json: not recorded, not compared (base_dtype: absent = auto)
             x, y = getattr(sl, k), getattr(rl, k)
             if k == "targets":
                 if not x:  # [] = not recorded

@@ -104,7 +104,7 @@ def resolve_dims(p: ParallelSection, topo: Topology, state_bytes: Callable[[], i
 
     Both auto: shard within a node (or within parallel.nvlink_domain ranks) and replicate across them
     (HSDP) when the model state (`state_bytes()`: fp32 weights + gradients + AdamW moments of what trains,
-    fp32 weights of what is frozen) sharded over one domain takes at most half of `device_bytes`; else
+    the frozen base as stored: lora.base_dtype) sharded over one domain takes at most half of `device_bytes`; else
     shard over every rank (plain FSDP): more ranks to share the state, at the price of all-gathers that
     cross the slow links.
     """

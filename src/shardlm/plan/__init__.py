@@ -71,6 +71,7 @@ import time
 
 import torch.distributed as dist
 
+from shardlm.build import base_dtype
 from shardlm.config import Config
 from shardlm.errors import ConfigError, PlanError
 from shardlm.plan.attention import FLEX_NOTE
@@ -110,7 +111,8 @@ def measure(cfg: Config, world_size: int, usable_bytes: int, name: str, override
                     grad_accum=t.grad_accum, ac=t.ac, lora_rank=cfg.lora.rank, cpu_offload=t.cpu_offload,
                     peak=peak, model_state=Breakdown.from_flat(step.model_state), offload_peak_bytes=step.offload,
                     peak_bytes=step.offload if t.cpu_offload else peak.total, usable_bytes=usable_bytes,
-                    seconds=time.perf_counter() - t0, overrides=dict(overrides or {}), note=note)
+                    seconds=time.perf_counter() - t0, overrides=dict(overrides or {}), note=note,
+                    lora_base_dtype=base_dtype(cfg, "cuda") if cfg.lora.rank > 0 else "")
     return scen, step
 
 
@@ -129,6 +131,25 @@ def resolve_auto(cfg: Config, mc, world_size: int, gpus_per_node: int, gpu_mem_g
     cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, dp_replicate=dims.dp_replicate,
                                                                 dp_shard=dims.dp_shard))
     return cfg, f"parallel.dp_replicate x dp_shard = {dims.dp_replicate} x {dims.dp_shard}, {why}"
+
+
+def resolve_reshard(cfg: Config, mc, gpu_mem_gib: float) -> tuple[Config, str]:
+    """`cfg` with parallel.reshard_after_forward=auto resolved to the number of last blocks kept unsharded, as
+    the trainer decides it (`parallel.fsdp.unsharded_blocks`) but from the whole of `gpu_mem_gib` instead of
+    the memory free at start-up, which is less: the plan keeps at least as many blocks as the run, never fewer
+    (so it never under-plans); and the reason (empty when the setting is not auto)."""
+    from shardlm.build import meta_model
+    from shardlm.parallel.fsdp import block_param_bytes, mp_policy, unsharded_blocks
+
+    if cfg.parallel.reshard_after_forward != "auto":
+        return cfg, ""
+    t = cfg.train
+    block = meta_model(cfg, dataclasses.replace(mc, n_layers=1)).layers[0]
+    k, why = unsharded_blocks("auto", mc.n_layers, block_param_bytes(block, mp_policy(t.precision("cuda"), t.reduce_dtype)),
+                              None if t.cpu_offload else int(gpu_mem_gib * GIB))
+    cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, reshard_after_forward=k))
+    return cfg, f"parallel.reshard_after_forward=auto planned as {k} (of the whole {gpu_mem_gib:g} GiB: a run keeps " \
+                f"as many or fewer); {why}"
 
 
 def _notes(cfg: Config, shape_note: str | None, attention: str) -> list[str]:
@@ -178,8 +199,10 @@ def plan(cfg: Config, world_size: int, gpu_mem_gib: float, gpus_per_node: int = 
     usable = int(gpu_mem_gib * (1 - headroom) * GIB)
     mc, shape_note = model_config(cfg)
     cfg, dims_note = resolve_auto(cfg, mc, world_size, gpus_per_node, gpu_mem_gib)
+    cfg, reshard_note = resolve_reshard(cfg, mc, gpu_mem_gib)
     base, step = measure(cfg, world_size, usable, "as configured", exact=exact, document_attention=backend)
-    notes = ([dims_note] if dims_note else []) + _notes(cfg, shape_note, backend) + ([base.note] if base.note else [])
+    notes = ([dims_note] if dims_note else []) + ([reshard_note] if reshard_note else []) + \
+        _notes(cfg, shape_note, backend) + ([base.note] if base.note else [])
     report = PlanReport(model=cfg.model.init_from or cfg.model.preset, n_params=step.n_params,
                         trainable_params=step.trainable, world_size=world_size, gpus_per_node=gpus_per_node,
                         gpu_mem_gib=gpu_mem_gib, headroom=headroom, base=base, notes=notes,

@@ -10,6 +10,7 @@ model masks documents with the attention `shardlm.plan.attention` says (flex thr
 from __future__ import annotations
 
 import copy
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -89,8 +90,11 @@ def planned_config(cfg: Config) -> Config:
 def fake_materialize(mode):
     """build_model's materialisation for the planner: fake storage in `mode`, nothing filled."""
     def materialize(model, cfg: Config, device: torch.device) -> None:
+        from shardlm.quant.nf4 import assign_empty
+
         with mode:
             model.to_empty(device=device)
+            assign_empty(model, device)  # NF4 shards (lora.base_dtype=nf4) of the sizes torchao stores
     return materialize
 
 
@@ -125,7 +129,20 @@ def _sync_grads(pairs, set_none: bool = False) -> None:
 
 
 def warm_optimizer(optimizer, pairs) -> None:
-    """Create the optimizer state, as the first step does (zero gradients: values do not matter)."""
+    """Create the optimizer state, as the first step does (zero gradients: values do not matter).
+
+    With train.optimizer_state_dtype bf16 or int8 the optimizer first becomes the trainer's class
+    (`adopt_state_dtype`: its step, bf16 or torchao 8-bit moments, runs in the planned step too) and each
+    local shard gets the state of its DTensor parameter (`init_state`: int8 decides per whole parameter
+    which moments are 8-bit, as the trainer does).
+    """
+    from shardlm.train.optim import adopt_state_dtype
+
+    low = adopt_state_dtype(optimizer)
+    if low is not None:
+        for p, lp in pairs:
+            low.state[lp] = {k: v.to_local() if hasattr(v, "to_local") else v for k, v in low.init_state(p).items()}
+        return
     for _, lp in pairs:
         lp.grad = torch.zeros_like(lp)
     optimizer.step()
@@ -184,7 +201,9 @@ def fake_step(cfg: Config, world_size: int, mc: ModelConfig | None = None, phase
         mesh = dims.build_mesh("cpu")  # outside FakeTensorMode: the mesh holds real (tiny) tensors
         mode = FakeTensorMode(allow_non_fake_inputs=True)  # to_empty reads the meta tensors
         model = build_model(run, mc, mesh, dev, materialize=fake_materialize(mode))
-        with mode:
+        with mode, warnings.catch_warnings():
+            # torchao's NF4 all-gather checks the output's data_ptr, which fake tensors warn about
+            warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
             optimizer, pairs = local_adamw(model, t)
             trainable = sum(p.numel() for p, _ in pairs)  # global sizes (DTensor.numel)
             warm_optimizer(optimizer, pairs)

@@ -83,6 +83,7 @@ class Scenario:
     overrides: dict[str, Any] = field(default_factory=dict)
     measured: bool = True  # False: not run, peak_bytes is a lower bound (see `note`)
     note: str = ""
+    lora_base_dtype: str = ""  # with LoRA: how the frozen base is stored (lora.base_dtype resolved), else ""
 
     @property
     def fits(self) -> bool:
@@ -156,7 +157,8 @@ class PlanReport:
             f"on {self.world_size} ranks ({nodes:g} x {self.gpus_per_node} GPUs) of {self.gpu_mem_gib:g} GiB; "
             f"usable {fmt_bytes(b.usable_bytes)} ({self.headroom:.0%} headroom)",
             f"  micro_batch_size={b.micro_batch_size} seq_len={b.seq_len} grad_accum={b.grad_accum} ac={b.ac} "
-            f"lora.rank={b.lora_rank} cpu_offload={str(b.cpu_offload).lower()}",
+            f"lora.rank={b.lora_rank}{f' (base {b.lora_base_dtype})' if b.lora_base_dtype else ''} "
+            f"cpu_offload={str(b.cpu_offload).lower()}",
             *([f"  document masks ({self.document_attention})"] if self.document_attention else []),
             "",
             f"  {'per rank':<14} {'at peak':>12} {'model state':>12}",

@@ -56,18 +56,18 @@ class Search:
     gpus_per_node: int
     measure: Measure
     out: list[Scenario] = field(default_factory=list)
-    # (ranks, lora rank) -> a measured scenario whose model state bounds every variant like it
-    bounds: dict[tuple[int, int], Scenario] = field(default_factory=dict)
+    # (ranks, lora rank, lora base dtype) -> a measured scenario whose model state bounds every variant like it
+    bounds: dict[tuple[int, int, str], Scenario] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        self.bounds[(self.base.world_size, self.cfg.lora.rank)] = self.base
+        self.bounds[(self.base.world_size, self.cfg.lora.rank, self.cfg.lora.base_dtype)] = self.base
 
     def run(self, name: str, overrides: dict[str, Any], ranks: int = 1, keep: bool = True) -> Scenario:
         ws = self.base.world_size * ranks
         if ranks != 1:
             overrides = {**overrides, "parallel.dp_shard": -1}
         v = variant(self.cfg, overrides)
-        ref = self.bounds.get((ws, v.lora.rank))
+        ref = self.bounds.get((ws, v.lora.rank, v.lora.base_dtype))
         bound = 0 if ref is None or v.train.cpu_offload else ref.model_state.total
         if bound > self.usable:
             s = dataclasses.replace(
@@ -77,7 +77,7 @@ class Search:
                 note=f"not run: the model state alone is {gib(bound):.1f} GiB > {gib(self.usable):.1f} GiB usable")
         else:
             s = self.measure(v, ws, name, overrides)
-            self.bounds.setdefault((ws, v.lora.rank), s)
+            self.bounds.setdefault((ws, v.lora.rank, v.lora.base_dtype), s)
         if keep:
             self.out.append(s)
         return s

@@ -39,11 +39,20 @@ def fp8_all_gather(recipe: str, device: torch.device) -> bool:
     return recipe == "tensorwise" and device.type == "cuda"
 
 
+def float8_config(recipe: str, emulate: bool, all_gather: bool):
+    """torchao's Float8LinearConfig of `recipe`, with the float8 all-gather on or off.
+
+    force_recompute_fp8_weight_in_bwd stays off: torchao deprecated it (ao#2251); with FSDP2 the
+    unsharded float8 weight is freed after forward anyway (reshard_after_forward), and AC covers the rest.
+    """
+    return dataclasses.replace(_float8().Float8LinearConfig.from_recipe_name(recipe), emulate=emulate,
+                               enable_fsdp_float8_all_gather=all_gather, force_recompute_fp8_weight_in_bwd=False)
+
+
 def apply_fp8(model: nn.Module, recipe: str, emulate: bool, all_gather: bool) -> list[str]:
     """Swap eligible linears for torchao Float8Linear; returns their names."""
     float8 = _float8()
-    config = dataclasses.replace(float8.Float8LinearConfig.from_recipe_name(recipe), emulate=emulate,
-                                 enable_fsdp_float8_all_gather=all_gather)
+    config = float8_config(recipe, emulate, all_gather)
     converted: list[str] = []
 
     def eligible(module: nn.Module, fqn: str) -> bool:
@@ -58,5 +67,6 @@ def apply_fp8(model: nn.Module, recipe: str, emulate: bool, all_gather: bool) ->
 
 
 def precompute_fp8_scales(model: nn.Module) -> None:
-    """After the optimizer step, one all-reduce computes every float8 weight's scale (all-gather path)."""
+    """After the optimizer step, one all-reduce computes every float8 weight's scale (all-gather path);
+    without it each block's all-gather would all-reduce its own weights' amax first (step 1 does)."""
     _float8().precompute_float8_dynamic_scale_for_fsdp(model)

@@ -15,6 +15,8 @@ from typing import Callable
 import torch
 from torch import nn
 
+from shardlm.train.sdpa import sdpa_context
+
 Batch = tuple[torch.Tensor, ...]  # (inputs, labels) or (inputs, labels, positions), each (B, T) int64
 
 
@@ -40,23 +42,25 @@ def set_grad_sync(model: nn.Module, k: int, n_micro: int, mode: str, hsdp: bool)
 def forward_backward(model: nn.Module, batches: list[Batch], scale: float, device: torch.device,
                      grad_sync: str = "micro_batch", hsdp: bool = False,
                      before_micro_batch: Callable[[int], None] | None = None,
-                     loss_chunk_tokens: int = 0) -> torch.Tensor:
+                     loss_chunk_tokens: int = 0, sdpa_backends: tuple[str, ...] | None = None) -> torch.Tensor:
     """Forward + fp32 token-sum cross-entropy + backward of each micro-batch; the local loss sum.
 
     `scale` multiplies each micro-batch's loss sum before backward (dp / global target tokens).
     `loss_chunk_tokens`: the head and loss run that many tokens at a time (0: all at once; see
     `Transformer.loss`).
     `before_micro_batch(k)` is the planner's hook (it labels the memory of each micro-batch).
+    `sdpa_backends`: the SDPA kernels attention may use, in order (`shardlm.train.sdpa`; None: torch's choice).
     """
     loss_sum = torch.zeros((), device=device)
-    for k, batch in enumerate(batches):
-        set_grad_sync(model, k, len(batches), grad_sync, hsdp)
-        if before_micro_batch is not None:
-            before_micro_batch(k)
-        x, y = batch[0].to(device, non_blocking=True), batch[1].to(device, non_blocking=True)
-        positions = batch[2].to(device, non_blocking=True) if len(batch) > 2 else None
-        loss = model(x, positions, labels=y, loss_chunk_tokens=loss_chunk_tokens)
-        (loss * scale).backward()
-        loss_sum += loss.detach()
-        del loss
+    with sdpa_context(sdpa_backends):  # around backward too (compiled blocks trace their kernel in here)
+        for k, batch in enumerate(batches):
+            set_grad_sync(model, k, len(batches), grad_sync, hsdp)
+            if before_micro_batch is not None:
+                before_micro_batch(k)
+            x, y = batch[0].to(device, non_blocking=True), batch[1].to(device, non_blocking=True)
+            positions = batch[2].to(device, non_blocking=True) if len(batch) > 2 else None
+            loss = model(x, positions, labels=y, loss_chunk_tokens=loss_chunk_tokens)
+            (loss * scale).backward()
+            loss_sum += loss.detach()
+            del loss
     return loss_sum

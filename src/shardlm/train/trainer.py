@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from shardlm._torch_compat import float8_linear_class
-from shardlm.build import build_model, build_model_config, model_state_bytes, uses_fp8_all_gather
+from shardlm.build import base_dtype, build_model, build_model_config, model_state_bytes, uses_fp8_all_gather
 from shardlm.checkpoint import Checkpointer
 from shardlm.checkpoint.lineage import current_lineage, tokenizer_fingerprint
 from shardlm.checkpoint.meta import CheckpointMeta
@@ -34,12 +34,13 @@ from shardlm.observe.metrics import MetricsLogger, Throughput, peak_flops, read_
 from shardlm.observe.profiler import PhaseTimer, StepProfiler
 from shardlm.observe.wandb_log import WandbLogger
 from shardlm.parallel.dims import device_memory_bytes, dp_rank, launch_topology, resolve_dims
-from shardlm.parallel.fsdp import clip_grad_norm_
+from shardlm.parallel.fsdp import DTYPES, clip_grad_norm_
 from shardlm.quant.fp8 import precompute_fp8_scales
 from shardlm.train.optim import build_lr_scheduler, build_optimizer, extended_anchor
 from shardlm.train.preemption import Preemption
 from shardlm.train.rundir import RunLock, check_writable, prepare_metrics_file, write_config
 from shardlm.train.state import TrainState
+from shardlm.train.sdpa import sdpa_backends_for
 from shardlm.train.step import Batch, forward_backward
 
 
@@ -108,7 +109,7 @@ class Trainer:
         self.model_cfg = build_model_config(cfg, self.tokenizer.vocab_size, warn=warnings.append)
         dev_type = device_type(cfg.train.device)
         self.dims, self.dims_reason = resolve_dims(
-            cfg.parallel, topo, lambda: model_state_bytes(cfg, self.model_cfg),
+            cfg.parallel, topo, lambda: model_state_bytes(cfg, self.model_cfg, dev_type),
             device_memory_bytes(dev_type, int(os.environ.get("LOCAL_RANK", "0")), topo.ranks_per_node))
         # Data comes from token stores (text or SFT); raw files are prepared into one now, before the process
         # group starts (no collective waits on it, so no timeout can fire), once per shared filesystem.
@@ -171,6 +172,10 @@ class Trainer:
         self.check_mixture()
         backend, why = document_attention_backend(self.env.device)
         self.attention_note = f"{backend}: {why}"
+        precision = cfg.train.precision(self.env.device.type)
+        self.sdpa_backends, self.sdpa_note = sdpa_backends_for(  # an unusable explicit kernel stops here
+            cfg.train.attention_backend, self.env.device, DTYPES["bf16" if precision == "fp8" else precision],
+            self.model_cfg.head_dim, dense_mask=cfg.data.document_mask and backend == "sdpa-mask")
         wd.enter("setup: model")
         self.model = build_model(cfg, self.model_cfg, self.mesh, self.env.device)
         wd.attach(self.model)
@@ -194,6 +199,10 @@ class Trainer:
         if self.resumed_from is not None:
             self.log(f"checkpoint: resumed from {self.resumed_from} at step {self.step} "
                      f"({self.loader.samples_seen} samples consumed)")
+            was = getattr(self.optimizer, "resumed_state_dtype", None)
+            if was is not None and was != cfg.train.optimizer_state_dtype:
+                self.log(f"resume: the checkpoint's AdamW moments were {was}; converted to "
+                         f"train.optimizer_state_dtype={cfg.train.optimizer_state_dtype}")
         self.scheduler = build_lr_scheduler(self.optimizer, cfg.train, last_step=self.step, anchor=self.lr_anchor())
         self.checkpointer.info["schedule"] = {"steps": cfg.train.steps, "anchor": self.scheduler.anchor}
         if self.is_rank0:  # written once the run is known to start: a failed retry leaves the last one
@@ -374,7 +383,8 @@ class Trainer:
         n_tokens, stop, ctrl_c = counts[:3].tolist()
         self.rank_step_times = counts[3:].tolist() if slots else None
         loss_sum = forward_backward(self.model, batches, self.dims.dp / n_tokens, self.env.device, t.grad_sync,
-                                    self.dims.hsdp, loss_chunk_tokens=t.loss_chunk_tokens)
+                                    self.dims.hsdp, loss_chunk_tokens=t.loss_chunk_tokens,
+                                    sdpa_backends=self.sdpa_backends)
         wd.enter("grad-norm all-reduce")
         norm = clip_grad_norm_(self.params, t.grad_clip, flag=loss_sum)
         grad_norm = norm.item()  # the step's one host read: the guard decides before the optimizer does
@@ -542,7 +552,8 @@ class Trainer:
             f"model {self.cfg.model.init_from or self.cfg.model.preset}: {mc.num_params() / 1e6:.2f}M params"
             f"{self.trainable_note()}, {self.precision_note()} | "
             f"data {self.data_note()}, {m['tokens'] / 1e6:.2f}M tokens, {self.loader.n_rows} sequences of "
-            f"{d.seq_len} | global batch {self.loader.global_batch} seqs = {tokens_per_step} tokens/step")
+            f"{d.seq_len} | global batch {self.loader.global_batch} seqs = {tokens_per_step} tokens/step | "
+            f"{self.fastpath_note()}")
 
     def check_mixture(self) -> None:
         """A mixture whose epoch caps cannot feed train.steps fails now, not mid-run; its plan is logged."""
@@ -584,8 +595,17 @@ class Trainer:
             return t.mixed_precision
         float8 = float8_linear_class()
         n = sum(isinstance(m, float8) for m in self.model.modules()) if float8 else 0
-        extra = ", float8 all-gather" if self.fp8_all_gather else ""
+        extra = ", float8 all-gather, scales precomputed after each step" if self.fp8_all_gather else ""
         return f"fp8 {t.fp8_recipe}{' emulated' if t.fp8_emulate else ''} ({n} float8 linears{extra})"
+
+    def fastpath_note(self) -> str:
+        """The kernels and FSDP schedule chosen: SDPA order, unsharded blocks, prefetch, optimizer kernel."""
+        attn = ">".join(self.sdpa_backends) if self.sdpa_backends else "torch's default"
+        fsdp = getattr(self.model, "fsdp_choices", None)
+        opt = self.optimizer
+        fused = " fused" if getattr(opt, "defaults", {}).get("fused") else ""
+        return (f"attention {attn} ({self.sdpa_note}), fsdp {fsdp.note() if fsdp else '?'}, "
+                f"optimizer {type(opt).__name__}{fused}")
 
     def trainable_note(self) -> str:
         """`` (3.1% trainable: LoRA r=8)`` when not every parameter trains."""
@@ -593,7 +613,8 @@ class Trainer:
         trainable = sum(p.numel() for p in self.params)
         if trainable == total:
             return ""
-        lora = f": LoRA r={self.cfg.lora.rank}" if self.cfg.lora.rank else ""
+        lora = (f": LoRA r={self.cfg.lora.rank}, base {base_dtype(self.cfg, self.env.device.type)}"
+                if self.cfg.lora.rank else "")
         return f" ({trainable / 1e6:.3f}M = {100 * trainable / total:.1f}% trainable{lora})"
 
     def finish(self, records: list[dict], elapsed: float, sample: bool = True) -> None:

@@ -538,6 +538,9 @@ def export_checkpoint(checkpoint_dir: str | os.PathLike, out: str | os.PathLike,
     ids = special_ids(base_cfg, tok, byte_tokenizer)
     overrides.update(ids)
     gen = generation_config(base_dir, ids) if ids or base_dir is not None else None
+    if merge_lora and meta.lora is not None and meta.lora.base_dtype == "nf4":
+        log(f"shardlm: warning: {ck} is a QLoRA run (lora.base_dtype=nf4): the adapters are merged into the "
+            "NF4-quantised base they were trained against (dequantised, as saved), not the original weights")
     info = export_hf(ck, out, dtype=dtype, merge_lora=merge_lora, tokenizer_dir=tok,
                      hf_config_overrides=overrides or None, generation=gen, keep=[base_dir], log=log)
     return {"kind": "hf", "tokenizer": "bytes" if byte_tokenizer else tok, "generation": gen is not None, **info}

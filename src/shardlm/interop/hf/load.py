@@ -2,7 +2,9 @@
 
 `load_hf_weights(model, dir)` fills an already-sharded model (DTensor parameters, or a plain module)
 straight from the files with `safe_open(...).get_slice(name)[region]` (memory-mapped: only those bytes
-are touched); no rank ever holds a full tensor, there is no broadcast and no collective at all.
+are touched); no rank ever holds a full tensor, there is no broadcast and no collective at all, except
+for NF4 parameters (lora.base_dtype=nf4): each rank quantises its own rows, after one small all-gather
+of block scales per weight (`shardlm.quant.nf4.quantize_shard`).
 
 Why not DCP's `HuggingFaceStorageReader`: it exists in every torch we support, but older releases'
 `read_data` deserialise each whole safetensors file on every rank (later ones slice), it globs every
@@ -120,7 +122,8 @@ def load_hf_weights(model: nn.Module, hf_dir: str | os.PathLike, *, check_config
     `model` is our `Transformer` after `fully_shard` + `to_empty` (DTensor parameters), or a plain one.
     Names and shapes are checked against the files' headers first (ConfigError naming the tensor), then
     each parameter's local region `[offset, offset + local_shape)` is read with `get_slice`; the dtype
-    is converted on the copy. No collective runs, so ranks need not call it in lockstep. RoPE buffers
+    is converted on the copy. No collective runs, so ranks need not call it in lockstep (unless the model has
+NF4 parameters: then every rank of the shard group calls it). RoPE buffers
     are recomputed afterwards. With `check_config`, `model.cfg` must equal what config.json describes
     (max_seq_len excepted): same shapes with another RoPE base would otherwise load silently.
 
@@ -144,9 +147,13 @@ def load_hf_weights(model: nn.Module, hf_dir: str | os.PathLike, *, check_config
         _check_config(cfg, d)
     stored = scan_hf_weights(d)
     source = check_hf_tensors(stored, {k: tuple(p.shape) for k, p in params.items()}, tied, d)
+    from shardlm.quant.nf4 import is_nf4, quantize_into
+
+    nf4 = {k for k, p in params.items() if is_nf4(p)}
     by_file: dict[Path, list[str]] = {}
     for key in params:
-        by_file.setdefault(stored[source[key]].file, []).append(key)
+        if key not in nf4:
+            by_file.setdefault(stored[source[key]].file, []).append(key)
     for path, keys in by_file.items():
         with safe_open(str(path), framework="pt") as f:
             for key in keys:
@@ -155,6 +162,15 @@ def load_hf_weights(model: nn.Module, hf_dir: str | os.PathLike, *, check_config
                     continue  # more ranks than rows: this rank holds none of it
                 region = tuple(slice(o, o + n) for o, n in zip(offset, shape))
                 local.copy_(f.get_slice(source[key])[region])
+    if nf4:  # QLoRA base: this rank's rows in bf16, quantised (one small all-gather per weight)
+        def fill(name: str, p: torch.Tensor, shape: tuple[int, ...], row0: int) -> torch.Tensor:
+            src = source[our_key_to_hf(name)]
+            region = (slice(row0, row0 + shape[0]), *(slice(0, n) for n in shape[1:]))
+            with safe_open(str(stored[src].file), framework="pt") as f:
+                return f.get_slice(src)[region]
+
+        device = next(iter(params.values())).device
+        quantize_into(model, fill, device)
     rope = getattr(model, "rope", None)
     if rope is not None:
         rope.reset_parameters()

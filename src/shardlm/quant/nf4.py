@@ -1,0 +1,288 @@
+"""QLoRA's frozen base (lora.base_dtype=nf4): the LoRA target linears' weights as torchao `NF4Tensor`s.
+
+NF4 (Dettmers et al., 2023) stores each weight as a 4-bit index into 16 NormalFloat levels, scaled by the
+absmax of its block of 64; those block scales are quantised again ("double quantisation") to int8 per
+scaler block of 256 scales, after subtracting the mean of all the tensor's scales. Per weight:
+0.5 byte + 1/64 byte (int8 scale) + 2/16384 byte (bf16 second-level factor), plus 2 bytes of mean and a
+32-byte lookup table per tensor: ~0.516 bytes against bf16's 2.
+
+How it goes through FSDP2. `NF4Tensor` implements FSDP2's all-gather extension: the all-gather inputs are
+its three inner tensors (packed indices, int8 scales, factors), so the weights travel in NF4 and are
+dequantised per matmul (`linear_nf4`). The gathered tensor keeps the *rank-local* `scaler_mean`, and
+the int8 scales of a scaler block are relative to that block's factor, so a shard decodes correctly
+after the gather only when
+  1. every shard holds whole scaler blocks (its numel is a multiple of 64 * 256 = 16384), and FSDP
+     shards evenly (out_features % dp_shard == 0): `check_shapes` says which layer breaks this;
+  2. every shard was quantised with the mean of the *whole* tensor's block scales.
+`quantize_shard` does exactly that: each rank takes the absmax of its own blocks, one all-gather of
+those gives every rank the whole tensor's scale vector (numel/64 bf16 values, 1/32 of the weight's bf16
+bytes, for a moment), whose `.mean()` is the same op on the same values as `to_nf4` takes on the whole
+tensor; the rest is local. (An all-reduced sum would be cheaper but rounds differently from torch's mean:
+not bitwise.) So the gathered weight is bitwise what `to_nf4(whole tensor)` gives (tested), and no rank
+ever holds more than its own shard in bf16.
+
+Checkpoints hold an NF4 weight as its plain pieces (`nf4_pieces`), never an NF4Tensor (DCP would pickle
+it); the export dequantises them (`from_pieces`, via CheckpointReader); a resume does not load them (the
+build has re-quantised the same bits from model.init_from or the seed).
+
+Build order (shardlm.build): meta model -> LoRA -> `apply_nf4` (meta NF4 parameters: shapes only, no
+arithmetic) -> fully_shard (splits them into per-rank NF4 shards) -> to_empty -> each rank fills its
+shards from the HF files / the init / a DCP checkpoint in bf16 and `assign_quantized` swaps in the
+quantised shard. The planner stops after to_empty and `assign_empty`s fake NF4 shards of the true sizes.
+
+The NF4 tensors are bf16-based (scales and dequantised weight in bf16) whatever the training precision:
+under fp32 the dequantised base is upcast for the matmul; the adapters train in the training precision.
+"""
+
+from __future__ import annotations
+
+import math
+from types import ModuleType
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor, Shard
+
+from shardlm.errors import ConfigError
+from shardlm.extras import require
+
+BLOCK_SIZE = 64  # weights per absmax scale
+SCALER_BLOCK_SIZE = 256  # scales per second-level (double quantisation) factor
+GROUP = BLOCK_SIZE * SCALER_BLOCK_SIZE  # weights per second-level factor: a shard must hold whole groups
+NF4_DTYPE = torch.bfloat16
+_MODULE = "torchao.quantization.quantize_.workflows.nf4.nf4_tensor"
+
+
+def torchao_nf4() -> ModuleType:
+    """torchao's nf4_tensor module (the [fp8] extra is torchao), imported on first use."""
+    return require(_MODULE, "fp8", "lora.base_dtype=nf4")
+
+
+def is_nf4(t: torch.Tensor) -> bool:
+    """Whether `t` (a parameter, a DTensor or a local shard) holds NF4 data. Does not import torchao."""
+    if isinstance(t, DTensor):
+        t = t._local_tensor  # the local shard object itself (to_local() of a Parameter returns a view)
+    return type(t).__name__ == "NF4Tensor"
+
+
+def nf4_nbytes(numel: int) -> int:
+    """Bytes of one NF4 tensor (or shard) of `numel` weights, as torchao stores it: packed 4-bit indices,
+    int8 block scales, bf16 second-level factors, the bf16 scaler mean and the 16-level bf16 lookup table."""
+    return numel // 2 + numel // BLOCK_SIZE + 2 * (numel // GROUP) + 2 + 2 * 16
+
+
+# -- building (meta) ---------------------------------------------------------------------------------
+def empty_nf4(shape: tuple[int, int], device: torch.device | str = "meta", dtype: torch.dtype = NF4_DTYPE):
+    """An NF4Tensor of `shape` with uninitialised inner tensors of the right sizes (no arithmetic: cheap on
+    the meta device and under FakeTensorMode)."""
+    m = torchao_nf4()
+    numel = math.prod(shape)
+    n_blocks = numel // BLOCK_SIZE
+    meta = m.SubclassTensorArgs(torch.Size(shape), (shape[1], 1), 0, dtype, torch.device(device), False)
+    return m.NF4Tensor(meta, BLOCK_SIZE, n_blocks, SCALER_BLOCK_SIZE,
+                       torch.empty(n_blocks, dtype=torch.int8, device=device),
+                       torch.empty(n_blocks // SCALER_BLOCK_SIZE, dtype=dtype, device=device),
+                       torch.empty((), dtype=dtype, device=device),
+                       torch.empty(numel // 2, dtype=torch.uint8, device=device),
+                       torch.empty(16, dtype=dtype, device=device))
+
+
+def nf4_targets(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+    """(name, module) of every LoRA layer (its `weight` is the frozen base that goes NF4)."""
+    from shardlm.lora import LoRALinear
+
+    for name, m in model.named_modules():
+        if isinstance(m, LoRALinear):
+            yield name, m
+
+
+def check_shapes(model: nn.Module, dp_shard: int) -> None:
+    """ConfigError naming the first LoRA target weight that NF4 cannot hold sharded over `dp_shard` ranks."""
+    for name, m in nf4_targets(model):
+        out_f, in_f = m.weight.shape
+        where = f"lora.base_dtype=nf4: {name}.weight ({out_f}x{in_f})"
+        if (out_f * in_f) % GROUP:
+            raise ConfigError(f"{where} has {out_f * in_f} weights, not a multiple of {GROUP} (NF4 blocks of "
+                              f"{BLOCK_SIZE} x scaler blocks of {SCALER_BLOCK_SIZE}); drop it from lora.targets or "
+                              "use lora.base_dtype=bf16")
+        if out_f % dp_shard or (out_f // dp_shard * in_f) % GROUP:
+            raise ConfigError(f"{where} does not split into {dp_shard} NF4 shards: each shard needs whole rows "
+                              f"(out_features % dp_shard == 0) and a multiple of {GROUP} weights ({in_f} x rows "
+                              f"per shard); use a parallel.dp_shard that divides {out_f} into such row blocks "
+                              f"(e.g. {_fitting_degrees(out_f, in_f, dp_shard)}), drop it from lora.targets, or "
+                              "use lora.base_dtype=bf16")
+
+
+def _fitting_degrees(out_f: int, in_f: int, near: int) -> str:
+    ok = [d for d in range(1, 2 * near + 1) if out_f % d == 0 and (out_f // d * in_f) % GROUP == 0]
+    return ", ".join(map(str, ok[-4:])) or "1"
+
+
+@torch.no_grad()
+def apply_nf4(model: nn.Module) -> list[str]:
+    """Swap each LoRA layer's (meta) base weight for a meta NF4 parameter; returns the parameter names.
+
+    Before fully_shard: FSDP2 recognises the NF4 all-gather extension on the parameter it shards.
+    """
+    torchao_nf4()
+    names = []
+    for name, m in nf4_targets(model):
+        if not m.weight.is_meta:
+            raise ValueError("apply_nf4 runs on the meta model (before fully_shard and materialisation)")
+        m.weight = nn.Parameter(empty_nf4(tuple(m.weight.shape)), requires_grad=False)
+        names.append(f"{name}.weight")
+    return names
+
+
+def nf4_params(model: nn.Module) -> dict[str, tuple[nn.Module, str, torch.Tensor]]:
+    """{parameter name: (owning module, attribute name, parameter)} of the NF4 parameters."""
+    out = {}
+    for mod_name, m in model.named_modules():
+        for pname, p in m.named_parameters(recurse=False):
+            if is_nf4(p):
+                out[f"{mod_name}.{pname}" if mod_name else pname] = (m, pname, p)
+    return out
+
+
+# -- quantising: whole tensors and shards ------------------------------------------------------------
+def _levels(device: torch.device) -> torch.Tensor:
+    """The 16 NF4 levels, as torchao's `NF4Tensor.from_tensor` writes them (checked by a test)."""
+    return torch.tensor([-1.0000, -0.6962, -0.5251, -0.3949, -0.2844, -0.1848, -0.0911, 0.0000, 0.0796, 0.1609,
+                         0.2461, 0.3379, 0.4407, 0.5626, 0.7230, 1.0000], device=device, dtype=NF4_DTYPE)
+
+
+def _block_absmax(x: torch.Tensor) -> torch.Tensor:
+    return x.reshape(-1, BLOCK_SIZE).abs().max(dim=1).values  # torchao's get_block_absmax
+
+
+def shard_group(p: torch.Tensor) -> tuple[dist.ProcessGroup | None, int, int]:
+    """(group, rank in it, its size) of the mesh dimension `p` is sharded on (dim 0); (None, 0, 1) if none."""
+    if not isinstance(p, DTensor):
+        return None, 0, 1
+    for i, pl in enumerate(p.placements):
+        if isinstance(pl, Shard):
+            if pl.dim != 0:
+                raise ValueError(f"NF4 parameters are sharded on dim 0, not {pl.dim}")
+            group = p.device_mesh.get_group(i)
+            return group, dist.get_rank(group), dist.get_world_size(group)
+    return None, 0, 1
+
+
+@torch.no_grad()
+def quantize_shard(local: torch.Tensor, group: dist.ProcessGroup | None = None):
+    """NF4 of one dim-0 shard (`local`: this rank's rows) of a tensor sharded over `group` in rank order,
+    bitwise equal to the same rows of `to_nf4(whole tensor)` (see the module docstring). With no group,
+    `local` is the whole tensor. A collective over `group`: every rank calls it for the same tensor."""
+    m = torchao_nf4()
+    x = local.detach().to(NF4_DTYPE).contiguous()
+    numel = x.numel()
+    if x.dim() != 2 or numel % GROUP:
+        raise ValueError(f"NF4 needs a 2-D shard with a multiple of {GROUP} weights, got {tuple(x.shape)}")
+    absmax = _block_absmax(x)
+    everyone = absmax
+    if group is not None and dist.get_world_size(group) > 1:
+        everyone = absmax.new_empty(absmax.numel() * dist.get_world_size(group))
+        _all_gather(everyone, absmax, group)
+    mean = everyone.mean()  # the same op on the same values as to_nf4 of the whole tensor: bitwise
+    # torchao's NF4Tensor.double_quantize_scalers, with the whole tensor's mean
+    centred = (absmax - mean).view(-1, SCALER_BLOCK_SIZE)
+    factor = 256 / (2 * centred.abs().max(dim=1).values)
+    q = (centred * factor.unsqueeze(-1)).round().clamp(-128, 127).flatten().to(torch.int8)
+    levels = _levels(x.device)
+    data = m.NF4Tensor.convert_to_norm_float_weight(x, absmax.numel(), BLOCK_SIZE, levels)
+    meta = m.SubclassTensorArgs(x.size(), x.stride(), 0, NF4_DTYPE, x.device, False)
+    return m.NF4Tensor(meta, BLOCK_SIZE, absmax.numel(), SCALER_BLOCK_SIZE, q, factor.contiguous(), mean, data,
+                       levels)
+
+
+def _all_gather(out: torch.Tensor, x: torch.Tensor, group: dist.ProcessGroup) -> None:
+    # all_gather_single is the newer name (all_gather_into_tensor warns there); torch 2.11 has only the old one
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(out, x, group=group)
+
+
+def nf4_roundtrip(w: torch.Tensor) -> torch.Tensor:
+    """What QLoRA trains against for the weight `w`: `to_nf4(w in bf16)` dequantised (bf16)."""
+    return quantize_shard(w).get_original_weight()
+
+
+# -- putting shards in place -------------------------------------------------------------------------
+@torch.no_grad()
+def assign_quantized(module: nn.Module, pname: str, local_nf4: torch.Tensor) -> None:
+    """Make `local_nf4` (this rank's NF4 shard) the data of `module.<pname>`, keeping its sharding.
+
+    Through `load_state_dict(assign=True)`, which FSDP2 follows (it re-registers the new sharded parameter).
+    """
+    p = getattr(module, pname)
+    if isinstance(p, DTensor):
+        new = DTensor.from_local(local_nf4, p.device_mesh, p.placements, run_check=False, shape=p.shape,
+                                 stride=p.stride())
+    else:
+        new = local_nf4
+    module.load_state_dict({pname: nn.Parameter(new, requires_grad=False)}, strict=False, assign=True)
+
+
+def local_shape(p: torch.Tensor) -> tuple[tuple[int, ...], int]:
+    """(shape of this rank's shard, its first row) of a dim-0 sharded parameter (or a whole one)."""
+    if not isinstance(p, DTensor):
+        return tuple(p.shape), 0
+    shape = tuple(p._local_tensor.shape)  # NF4 parameters are sharded evenly (check_shapes)
+    return shape, shard_group(p)[1] * shape[0]
+
+
+def assign_empty(model: nn.Module, device: torch.device) -> None:
+    """Uninitialised NF4 shards of the right sizes in every NF4 parameter (the planner's fake storage)."""
+    for _, (m, pname, p) in nf4_params(model).items():
+        assign_quantized(m, pname, empty_nf4(local_shape(p)[0], device=device))
+
+
+def quantize_into(model: nn.Module, fill, device: torch.device) -> None:
+    """Quantise every NF4 parameter's shard from bf16 values: `fill(name, param, shape, row0)` returns this
+    rank's rows (a plain tensor). Parameters go in name order on every rank (each is one all-gather)."""
+    for name, (m, pname, p) in sorted(nf4_params(model).items()):
+        shape, row0 = local_shape(p)
+        plain = fill(name, p, shape, row0)
+        group = shard_group(p)[0]
+        assign_quantized(m, pname, quantize_shard(plain.to(device), group))
+        del plain
+
+
+# -- checkpoints -------------------------------------------------------------------------------------
+# An NF4 weight `X` is saved as `X.nf4.data` (packed indices, uint8), `X.nf4.scalers` (int8),
+# `X.nf4.factors` (bf16): 1-D and sharded like the weight's rows (each rank's piece is its shard's), so
+# their concatenation is `to_nf4` of the whole weight; `X.nf4.mean` and `X.nf4.shape` (2 int64) are
+# the same on every rank. Plain tensors: DCP writes them as tensors (an NF4Tensor would be pickled).
+PIECES = {"data": "quantized_data", "scalers": "quantized_scalers", "factors": "quantization_factor"}
+NF4_KEY = ".nf4."
+
+
+def nf4_pieces(state: dict) -> dict:
+    """`state` (a model state dict) with each NF4 entry replaced by its plain pieces (see above)."""
+    out = {}
+    for k, v in state.items():
+        if not is_nf4(v):
+            out[k] = v
+            continue
+        loc = v._local_tensor if isinstance(v, DTensor) else v
+        for piece, attr in PIECES.items():
+            t = getattr(loc, attr)
+            if isinstance(v, DTensor):
+                n = t.numel() * v.numel() // loc.numel()
+                t = DTensor.from_local(t, v.device_mesh, v.placements, run_check=False, shape=(n,), stride=(1,))
+            out[f"{k}{NF4_KEY}{piece}"] = t
+        out[f"{k}{NF4_KEY}mean"] = loc.scaler_mean.detach().clone()
+        out[f"{k}{NF4_KEY}shape"] = torch.tensor(list(v.shape), dtype=torch.int64)
+    return out
+
+
+def from_pieces(pieces: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The bf16 weight that whole pieces {"data", "scalers", "factors", "mean", "shape"} stand for."""
+    m = torchao_nf4()
+    shape = torch.Size(int(n) for n in pieces["shape"].tolist())
+    numel = math.prod(shape)
+    meta = m.SubclassTensorArgs(shape, (shape[1], 1), 0, NF4_DTYPE, pieces["data"].device, False)
+    t = m.NF4Tensor(meta, BLOCK_SIZE, numel // BLOCK_SIZE, SCALER_BLOCK_SIZE, pieces["scalers"], pieces["factors"],
+                    pieces["mean"].to(NF4_DTYPE), pieces["data"], _levels(pieces["data"].device))
+    return t.get_original_weight()
