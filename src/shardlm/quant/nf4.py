@@ -45,6 +45,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
+from shardlm._torch_compat import dtensor_local
 from shardlm.errors import ConfigError
 from shardlm.extras import require
 
@@ -63,7 +64,7 @@ def torchao_nf4() -> ModuleType:
 def is_nf4(t: torch.Tensor) -> bool:
     """Whether `t` (a parameter, a DTensor or a local shard) holds NF4 data. Does not import torchao."""
     if isinstance(t, DTensor):
-        t = t._local_tensor  # the local shard object itself (to_local() of a Parameter returns a view)
+        t = dtensor_local(t)  # the local shard object itself (to_local() of a Parameter returns a view)
     return type(t).__name__ == "NF4Tensor"
 
 
@@ -228,7 +229,7 @@ def local_shape(p: torch.Tensor) -> tuple[tuple[int, ...], int]:
     """(shape of this rank's shard, its first row) of a dim-0 sharded parameter (or a whole one)."""
     if not isinstance(p, DTensor):
         return tuple(p.shape), 0
-    shape = tuple(p._local_tensor.shape)  # NF4 parameters are sharded evenly (check_shapes)
+    shape = tuple(dtensor_local(p).shape)  # NF4 parameters are sharded evenly (check_shapes)
     return shape, shard_group(p)[1] * shape[0]
 
 
@@ -265,7 +266,7 @@ def nf4_pieces(state: dict) -> dict:
         if not is_nf4(v):
             out[k] = v
             continue
-        loc = v._local_tensor if isinstance(v, DTensor) else v
+        loc = dtensor_local(v) if isinstance(v, DTensor) else v
         for piece, attr in PIECES.items():
             t = getattr(loc, attr)
             if isinstance(v, DTensor):

@@ -258,9 +258,9 @@ def _compiled_single_param_adam():
         from torchao.optim.adam import single_param_adam
 
         compiled = torch.compile(single_param_adam, fullgraph=True, dynamic=False)
-        from torch._dynamo import utils as dynamo_utils
+        from shardlm._torch_compat import dynamo_no_cache_limit
 
-        no_limit = getattr(dynamo_utils, "disable_cache_limit", None)  # private (torch 2.11 - 2.13); torchao's use
+        no_limit = dynamo_no_cache_limit()
 
         def run(*args):
             if no_limit is None:
