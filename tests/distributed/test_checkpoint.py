@@ -35,10 +35,9 @@ def _optim_checksum(trainer) -> float:
     return total
 
 
-def train_then(runs: list[tuple[list[str], int | None]]) -> list[dict]:
-    """Train each (config, stop_after) in turn on these ranks; losses by step, weights and optimizer
-    checksums. `stop_after=k` stops a run after step k the way SIGTERM does (request -> save -> stop)."""
-    from shardlm.config import load_config
+def stop_after_trainer() -> type:
+    """A Trainer class whose `stop_after = k` stops a run after step k the way SIGTERM does (request -> save
+    -> stop); None: never. (Made on call: workers import the trainer in their own process.)"""
     from shardlm.train.trainer import Trainer
 
     class StopAfter(Trainer):
@@ -49,6 +48,16 @@ def train_then(runs: list[tuple[list[str], int | None]]) -> list[dict]:
                 self.preemption.requested = True
                 stop_requested = True
             return super().train_step(batches, stop_requested)
+
+    return StopAfter
+
+
+def train_then(runs: list[tuple[list[str], int | None]]) -> list[dict]:
+    """Train each (config, stop_after) in turn on these ranks; losses by step, weights and optimizer
+    checksums. `stop_after=k` stops a run after step k the way SIGTERM does (request -> save -> stop)."""
+    from shardlm.config import load_config
+
+    StopAfter = stop_after_trainer()
 
     out = []
     for overrides, stop_after in runs:

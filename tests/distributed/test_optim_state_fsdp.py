@@ -108,15 +108,9 @@ def _train(runs: list[tuple[list[str], int | None]]) -> list[dict]:
     after step k as SIGTERM does (save, stop)."""
     from shardlm.config import load_config
     from shardlm.train.optim import int8_quantised, state_bytes
-    from shardlm.train.trainer import Trainer
+    from test_checkpoint import stop_after_trainer
 
-    class StopAfter(Trainer):
-        stop_after = None
-
-        def train_step(self, batches, stop_requested=False):
-            if self.step + 1 == self.stop_after:
-                self.preemption.requested = stop_requested = True
-            return super().train_step(batches, stop_requested)
+    StopAfter = stop_after_trainer()
 
     out = []
     for overrides, stop_after in runs:
