@@ -665,6 +665,9 @@ def validate(cfg: Config) -> None:
     if lo.base_dtype == "nf4" and not lo.rank:
         raise ConfigError("lora.base_dtype=nf4 (QLoRA) quantises the frozen base of LoRA layers: set lora.rank > 0, "
                           "or use lora.base_dtype=auto")
+    if lo.base_dtype != "auto" and not lo.rank:  # nothing is frozen: the setting would have no effect
+        raise ConfigError(f"lora.base_dtype={lo.base_dtype} stores the frozen base of a LoRA run, and lora.rank=0 "
+                          "trains every weight: set lora.rank > 0, or drop lora.base_dtype (auto)")
     if cfg.model.init_from and not cfg.model.init_from.startswith(("hf:", "dcp:")):
         raise ConfigError(f"model.init_from={cfg.model.init_from!r}: use hf:/path/to/hf_model_dir or "
                           "dcp:/path/to/checkpoint")

@@ -87,6 +87,8 @@ def test_shape_errors_name_the_layer_and_the_fix():
 def test_nf4_needs_lora():
     with pytest.raises(ConfigError, match=r"lora.base_dtype=nf4 .* set lora.rank > 0"):
         load_config(None, ["--lora.base_dtype=nf4"])
+    with pytest.raises(ConfigError, match=r"lora.base_dtype=bf16 .* lora.rank=0 trains every weight"):
+        load_config(None, ["--lora.base_dtype=bf16"])  # no frozen base: it would do nothing
 
 
 def test_meta_model_stores_the_frozen_base_as_asked():
