@@ -9,12 +9,14 @@ ranks with the next session.)"""
 
 from __future__ import annotations
 
+import faulthandler
 import multiprocessing
 import os
 import pickle
 import socket
 import tempfile
 import traceback
+import warnings
 from pathlib import Path
 from typing import Any, Callable
 
@@ -35,6 +37,10 @@ def _entry(rank: int, world: int, port: int, env: dict, fn: Callable, args: tupl
     os.environ.update(env)  # the caller's environment now, not the forkserver's from when it started
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    # A native abort (SIGABRT, SIGSEGV) leaves no Python traceback: have every thread's stack written
+    # where run_ranks reads the ranks' errors, so a failure names where it happened.
+    fault = open(f"{out}.err{rank}.fault", "w")
+    faulthandler.enable(file=fault, all_threads=True)
     import torch
 
     torch.set_num_threads(1)
@@ -52,15 +58,31 @@ def _entry(rank: int, world: int, port: int, env: dict, fn: Callable, args: tupl
         Path(out).write_bytes(pickle.dumps(result))
 
 
-def run_ranks(world: int, fn: Callable, *args: Any) -> Any:
-    """fn(*args) on `world` ranks (torchrun-style env, gloo); returns rank 0's result."""
+NATIVE_CRASH = {"SIGABRT", "SIGSEGV", "SIGBUS"}
+
+
+def run_ranks(world: int, fn: Callable, *args: Any, retries: int = 1) -> Any:
+    """fn(*args) on `world` ranks (torchrun-style env, gloo); returns rank 0's result.
+
+    A rank that dies of a native crash (SIGABRT, SIGSEGV, SIGBUS: no Python exception) makes the whole
+    spawn run again, at most `retries` times, with a warning that carries the ranks' fault dumps (pytest
+    lists it in its warnings summary). Seen twice, only in full-suite runs: "malloc(): unaligned tcache
+    chunk detected" in test_optim_state_fsdp's 4-rank spawn; not reproduced alone (see the issue notes).
+    A Python exception in a rank, or a second crash, fails the test as before."""
     multiprocessing.get_context("forkserver").set_forkserver_preload(PRELOAD)  # used when the server starts
-    with tempfile.TemporaryDirectory() as d:
-        out = str(Path(d) / "result.pkl")
-        try:
-            mp.start_processes(_entry, args=(world, _free_port(), dict(os.environ), fn, args, out), nprocs=world,
-                               start_method="forkserver")
-        except Exception as e:
-            errs = [p.read_text() for p in sorted(Path(d).glob("result.pkl.err*"))]
-            raise AssertionError(f"a rank failed: {e}\n" + "\n".join(errs)) from None
-        return pickle.loads(Path(out).read_bytes())
+    for attempt in range(retries + 1):
+        with tempfile.TemporaryDirectory() as d:
+            out = str(Path(d) / "result.pkl")
+            try:
+                mp.start_processes(_entry, args=(world, _free_port(), dict(os.environ), fn, args, out),
+                                   nprocs=world, start_method="forkserver")
+            except Exception as e:
+                errs = [f"{p.name}:\n{p.read_text()}" for p in sorted(Path(d).glob("result.pkl.err*"))
+                        if p.stat().st_size]
+                report = f"a rank failed: {e}\n" + "\n".join(errs)
+                if getattr(e, "signal_name", None) in NATIVE_CRASH and attempt < retries:
+                    warnings.warn(f"run_ranks({getattr(fn, '__name__', fn)}): native crash, running the ranks "
+                                  f"again ({attempt + 1} of {retries}): {report[:4000]}", stacklevel=2)
+                    continue
+                raise AssertionError(report) from None
+            return pickle.loads(Path(out).read_bytes())
