@@ -111,7 +111,8 @@ def run_one(overrides: dict, out: Path, gpus: int, timeout: float) -> dict:
         lines = [ln for ln in p.stderr.strip().splitlines() if ln.strip()] or ["?"]
         line = next((ln for ln in reversed(lines) if ln.startswith("shardlm: error")), lines[-1])
         return {"error": line[:200]}
-    banner = next((ln for ln in p.stdout.splitlines() if ln.startswith("shardlm: ")), "")
+    # the startup line (the first `shardlm: ` line that describes the run, not a note printed before it)
+    banner = next((ln for ln in p.stdout.splitlines() if ln.startswith("shardlm: ") and "tokens/step | " in ln), "")
     if overrides.get("train.mixed_precision") == "fp8" and overrides.get("train.device") == "cuda" \
             and "float8 all-gather" not in banner:
         return {"error": f"float8 all-gather was not enabled: {banner[:160]}"}
@@ -121,7 +122,8 @@ def run_one(overrides: dict, out: Path, gpus: int, timeout: float) -> dict:
     med = lambda k: statistics.median(r[k] for r in steady)  # noqa: E731
     return {"tokens_per_sec": med("tokens_per_sec"), "mfu": med("mfu") if steady[0]["mfu"] is not None else None,
             "mem_gib": max(r["mem_gib"] for r in steady), "loss": recs[-1]["loss"], "wall_s": wall,
-            "chosen": banner.rpartition("tokens/step | ")[2]}
+            "chosen": banner.rpartition("tokens/step | ")[2] if banner else
+            f"? (no startup line in the run's output: {p.stdout.strip()[:300]!r})"}
 
 
 def row(name: str, r: dict, base: dict | None) -> list[str]:

@@ -251,6 +251,7 @@ def test_gpu_mfu_dry_run_on_cpu(tmp_path):
     rows = {ln.split()[0]: ln for ln in text.splitlines() if ln and ln.split()[0] in ("bf16", "cudnn", "nokey")}
     assert set(rows) == {"bf16", "cudnn", "nokey"}, text
     assert float(rows["bf16"].split()[1].replace(",", "")) > 0, rows["bf16"]  # tokens/s from the run's metrics
-    assert "chosen: attention torch's default (auto on cpu), fsdp 1 of 4 blocks unsharded" in text  # startup line
+    assert "chosen: attention torch's default (auto on cpu), fsdp 1 of 4 blocks unsharded" in text, \
+        text + p.stdout  # from the startup line
     assert "failed" in rows["cudnn"] and "CUDA GPUs only" in rows["cudnn"]  # the trainer's one line
     assert "skipped" in rows["nokey"] and "no_such_key" in rows["nokey"]
