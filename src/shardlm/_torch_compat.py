@@ -43,6 +43,14 @@ def tracker_module_state(tracker: FSDPMemTracker) -> tuple[Any, bool]:
     return tracker._mod_tracker.parents, tracker._mod_tracker.is_bw
 
 
+def tracker_register(tracker: FSDPMemTracker, t: torch.Tensor, category: str) -> None:
+    """Count `t` (one that exists already) under the tracker's category named `category` (e.g. "Sharded Param"),
+    relabelling it if the tracker knows it under another (`_update_and_maybe_create_winfos`, as upstream labels the
+    tensors it finds itself)."""
+    kind = next(k for k in _FSDPRefType if k.value == category)
+    tracker._update_and_maybe_create_winfos(t, kind)
+
+
 def tracker_categories(values: tuple[str, ...]) -> tuple:
     """The tracker's category enum members whose names (`.value`) are in `values`."""
     return tuple(k for k in _FSDPRefType if k.value in values)
@@ -139,7 +147,7 @@ def stop_memory_history() -> None:
 
 
 __all__ = ["compute_local_shape_and_global_offset", "set_element", "FakeTensorMode", "FakeStore", "FSDPMemTracker",
-           "tracker_current", "tracker_peaks", "tracker_module_state", "tracker_categories", "UPDATE_PEAK_STATS",
+           "tracker_current", "tracker_peaks", "tracker_module_state", "tracker_categories", "tracker_register", "UPDATE_PEAK_STATS",
            "compile_backends", "release_mesh_groups", "float8_linear_class", "set_pg_timeout",
            "dump_flight_recorder", "record_memory_history", "dump_memory_snapshot", "stop_memory_history", "torch"]
 

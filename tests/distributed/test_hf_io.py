@@ -26,6 +26,7 @@ import pytest
 import torch
 from hf_tiny import tiny_hf_model
 from launch import run_ranks
+from whole import whole
 
 # transformers is imported lazily (`_tf()`): the spawned ranks import this module and need only torch.
 
@@ -214,7 +215,7 @@ def _ranks_load_and_save(cases: dict) -> dict:
         # The allocation tracker is not blind: an all-gather of the biggest parameter registers in full.
         biggest = max(model.parameters(), key=lambda p: p.numel())
         with Allocs() as probe:
-            biggest.full_tensor()
+            whole(biggest)
         with torch.no_grad():
             logits = model(TOKENS)
         dcp.save({"model": get_model_state_dict(model)}, checkpoint_id=case["ckpt"])

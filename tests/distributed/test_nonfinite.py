@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 from launch import run_ranks
+from whole import local
 
 STEPS = 8
 
@@ -39,7 +40,7 @@ def _inject(module, at_calls: set[int], where: str):
             if where == "loss":
                 return loss_sum * float("nan")
             p = next(p for p in model.parameters() if p.grad is not None)
-            p.grad.to_local().view(-1)[0] = float("inf")
+            local(p.grad).view(-1)[0] = float("inf")
         return loss_sum
 
     module.forward_backward = poisoned

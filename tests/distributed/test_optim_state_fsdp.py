@@ -26,6 +26,7 @@ from pathlib import Path
 
 import pytest
 from launch import run_ranks
+from whole import local, whole
 
 STEPS, HALF = 12, 6
 
@@ -44,9 +45,9 @@ def _full_state(optimizer, model) -> dict:
     """name -> {param, exp_avg, exp_avg_sq} as whole tensors (an 8-bit moment: its codes and scales)."""
     out = {}
     for name, p in model.named_parameters():
-        st = {"param": p.full_tensor()}
+        st = {"param": whole(p)}
         for k in ("exp_avg", "exp_avg_sq"):
-            v = optimizer.state[p][k].full_tensor()
+            v = whole(optimizer.state[p][k])
             st[k] = (v.codes, v.scale) if hasattr(v, "codes") else v
         out[name] = st
     return out
@@ -117,10 +118,10 @@ def _train(runs: list[tuple[list[str], int | None]]) -> list[dict]:
         StopAfter.stop_after = stop_after
         t = StopAfter(load_config(None, overrides))
         recs = t.train()
-        local = [(p.to_local().numel(), int8_quantised(p)) for p in t.model.parameters()]
+        shards = [(local(p).numel(), int8_quantised(p)) for p in t.model.parameters()]
         out.append({"loss": {r["step"]: r["loss"] for r in recs}, "start": recs[0]["step"] if recs else None,
                     "state": _full_state(t.optimizer, t.model), "bytes": state_bytes(t.optimizer),
-                    "class": type(t.optimizer).__name__, "local": local,
+                    "class": type(t.optimizer).__name__, "local": shards,
                     "resumed_from": t.optimizer.resumed_state_dtype,
                     "group_dtype": {g["state_dtype"] for g in t.optimizer.param_groups}})
         t.checkpointer.close()

@@ -85,6 +85,7 @@ def _real_worker(cases: dict) -> dict:
     from shardlm.distributed.env import init_distributed
     from shardlm.parallel.dims import ParallelDims
     from shardlm.parallel.fsdp import clip_grad_norm_
+    from shardlm.plan.tracker import track_unmanaged
     from shardlm.train.optim import build_optimizer
     from shardlm.train.step import forward_backward
 
@@ -135,8 +136,11 @@ def _real_worker(cases: dict) -> dict:
         batches = [batch() for _ in range(t.grad_accum)]
         tracker = FSDPMemTracker(model, optimizer)
         tracker.track_inputs(tuple(batches))
+        unmanaged = track_unmanaged(tracker, model)  # on one rank: the parameters FSDP leaves alone
         with tracker:
             train_step(batches, tracker)
+        for h in unmanaged:
+            h.remove()
         peak = tracker.get_tracker_snapshot("peak")
         out[name] = {"peak": sum(dev["Total"] for dev in peak.values()),
                      "split": {str(getattr(k, "value", k)): v for dev in peak.values() for k, v in dev.items()},

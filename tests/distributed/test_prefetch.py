@@ -1,13 +1,18 @@
 """FSDP2 schedule knobs on 2 gloo ranks (one spawn for the module): parallel.prefetch only reorders the
 all-gathers and parallel.reshard_after_forward only changes which blocks are gathered again in backward,
 so three optimizer steps give bit-identical losses and weights for every setting; and each setting does
-what it says (all-gathers issued per block, blocks still unsharded after forward)."""
+what it says (all-gathers issued per block, blocks still unsharded after forward; the root is gathered once
+per step, never again in backward). reshard_after_forward=auto settles after a step has run (as a run does after
+step 2 on GPUs, from the memory left free at the peak, here stood in for) and takes effect from the next forward."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
 from launch import run_ranks
+from whole import whole
 
 L = 4  # blocks
 CASES = {  # name: apply_fsdp keyword arguments
@@ -18,11 +23,12 @@ CASES = {  # name: apply_fsdp keyword arguments
     "reshard_false": {"reshard_after_forward": False},
     "reshard_2": {"reshard_after_forward": 2, "prefetch": 2},
     "auto_cpu": {"reshard_after_forward": "auto"},  # no accelerator: the last block only
-    "auto_free": {"reshard_after_forward": "auto", "free_bytes": 2**40},  # plenty of memory: every block
+    "auto_free": {"reshard_after_forward": "auto", "spare_bytes": 2**40},  # plenty of memory: every block
+    "auto_late": {"reshard_after_forward": "auto", "late": 1.5},  # 1 block; after a step room for 1.5 blocks more
 }
 
 
-def _build(mesh, **kwargs):
+def _build(mesh, late=0, **kwargs):  # late: see _worker
     from shardlm.models.llama import ModelConfig, Transformer
     from shardlm.parallel.fsdp import apply_fsdp, mp_policy, shard_view
 
@@ -41,11 +47,14 @@ def _worker() -> dict:
 
     from shardlm.distributed.env import init_distributed
     from shardlm.parallel.dims import ParallelDims
+    from shardlm.parallel import fsdp
     from shardlm.parallel.fsdp import clip_grad_norm_
     from shardlm.train.step import forward_backward
 
     env = init_distributed("cpu")
     mesh = ParallelDims(1, -1, env.world_size).build_mesh("cpu")
+    spare = fsdp.spare_device_bytes
+    assert spare(mesh, cpu_offload=False) is None  # CPU: nothing to decide
     events: list[str] = []
     depth = [0]
 
@@ -69,6 +78,18 @@ def _worker() -> dict:
     out = {}
     for name, kwargs in CASES.items():
         m = _build(mesh, **kwargs)
+        if kwargs.get("late"):  # a forward and backward with k = 1 first (no update), then settle
+            forward_backward(m, data[0], 1.0 / 64, env.device)
+            m.zero_grad(set_to_none=True)
+            assert not m.fsdp_choices.pending_auto  # on CPU nothing is left to decide; here as on a GPU:
+            m.fsdp_choices = dataclasses.replace(m.fsdp_choices, pending_auto=True)
+            fsdp.spare_device_bytes = lambda *a, **k: int(kwargs["late"] * m.fsdp_choices.block_bytes)
+            try:
+                settled = fsdp.settle_auto_reshard(m, mesh, cpu_offload=False)
+            finally:
+                fsdp.spare_device_bytes = spare
+            assert settled.startswith("parallel.reshard_after_forward=auto after step 2: 2 of 4 blocks"), settled
+            assert fsdp.settle_auto_reshard(m, mesh, cpu_offload=False) is None  # once
         for i, block in enumerate(m.layers):  # runs before FSDP's own pre-forward hook (it is prepended too)
             block.register_forward_pre_hook(lambda mod, args, i=i: events.append(f"fwd{i}"), prepend=True)
         opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
@@ -90,7 +111,7 @@ def _worker() -> dict:
             opt.zero_grad(set_to_none=True)
             dist.all_reduce(loss_sum)
             losses.append(loss_sum.item())
-        weights = {n: p.full_tensor().clone() for n, p in m.named_parameters()}
+        weights = {n: whole(p).clone() for n, p in m.named_parameters()}
         out[name] = {"losses": losses, "weights": weights, "kept": kept, "fwd_events": fwd_events,
                      "bwd_gathers": bwd_gathers, "choices": m.fsdp_choices}
         del m, opt
@@ -128,11 +149,10 @@ def test_prefetch_issues_the_next_blocks_all_gathers_early(results):
 
 
 @pytest.mark.parametrize("name, k", [("prefetch1", 1), ("reshard_true", 1), ("reshard_false", L), ("reshard_2", 2),
-                                     ("auto_cpu", 1), ("auto_free", L)])
+                                     ("auto_cpu", 1), ("auto_free", L), ("auto_late", 2)])
 def test_reshard_after_forward_keeps_the_last_k_blocks(results, name, k):
     r = results[name]
     assert r["kept"] == [i >= L - k for i in range(L)], (name, r["kept"])
-    root = 0 if name == "reshard_false" else 1  # the root is gathered again in backward unless false
-    assert r["bwd_gathers"] == L - k + root, name
-    assert r["choices"].unsharded == k and r["choices"].n_blocks == L
+    assert r["bwd_gathers"] == L - k, name  # the root keeps its parameters to backward: never gathered again
+    assert r["choices"].unsharded == k and r["choices"].n_blocks == L and not r["choices"].pending_auto
     assert ("auto" in r["choices"].reshard_reason) == name.startswith("auto")

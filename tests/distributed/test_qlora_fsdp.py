@@ -24,6 +24,7 @@ from pathlib import Path
 
 import pytest
 from launch import run_ranks
+from whole import local, whole
 
 pytest.importorskip("transformers")
 pytest.importorskip("torchao")
@@ -188,7 +189,7 @@ def worker(tmp: str, corpus: str, hf: str) -> dict:
     res["nf4_bytes"], res["bf16_bytes"] = local_nf4, 2 * local_numel
     # all-gathered bytes of one forward: NF4 inputs for the base, fp32 (the policy's dtype) for the rest
     x = torch.randint(0, mc.vocab_size, (2, 64), generator=torch.Generator().manual_seed(1))
-    other = sum(p.to_local().numel() * 4 for n, p in model.named_parameters() if n not in nf4)
+    other = sum(local(p).numel() * 4 for n, p in model.named_parameters() if n not in nf4)
     nf4_inputs = sum(p._local_tensor.numel() // 2 + p._local_tensor.numel() // 64 + 2 * (p._local_tensor.numel()
                      // GROUP) for _, _, p in nf4.values())
     res["gathered"] = _gathered_bytes(model, x)
@@ -217,7 +218,7 @@ def worker(tmp: str, corpus: str, hf: str) -> dict:
     with torch.no_grad():
         ours = t.model(x).float()
     _reshard(t.model)
-    lora_sd = {n: p.full_tensor() for n, p in t.model.named_parameters() if "lora_" in n}
+    lora_sd = {n: whole(p) for n, p in t.model.named_parameters() if "lora_" in n}
     ref = _reference(cfg, mc, hf, lora_sd)
     with torch.no_grad():
         res["logits_vs_reference"] = (ours - ref(x)).abs().max().item()
@@ -259,7 +260,7 @@ def worker(tmp: str, corpus: str, hf: str) -> dict:
     for bd in ("fp32", "bf16"):
         m = build_model(load_config(None, _overrides(tmp / bd, corpus, hf, **{"lora.base_dtype": bd})), mc, mesh,
                         torch.device("cpu"))
-        frozen[bd] = sum(p.to_local().numel() * p.dtype.itemsize for p in m.parameters() if not p.requires_grad)
+        frozen[bd] = sum(local(p).numel() * p.dtype.itemsize for p in m.parameters() if not p.requires_grad)
         frozen[bd + "_dtypes"] = sorted({str(p.dtype) for p in m.parameters() if not p.requires_grad})
         frozen[bd + "_trained_dtypes"] = sorted({str(p.dtype) for p in m.parameters() if p.requires_grad})
     res["frozen"] = frozen

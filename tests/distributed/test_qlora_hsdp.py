@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 from launch import run_ranks
+from whole import local
 from test_qlora_fsdp import _overrides, make_hf
 
 pytest.importorskip("transformers")
@@ -45,7 +46,7 @@ def worker(tmp: str, corpus: str, hf: str) -> dict:
                                and torch.equal(m.weight.get_original_weight(), ref.get_original_weight()))
         block.reshard()
     (run,) = train_then([(_overrides(Path(tmp) / "run", corpus, hf, **hsdp), None)])
-    return {"bitwise": bitwise, "loss": run["loss"], "shard_rows": model.layers[0].mlp.down_proj.weight.to_local().shape}
+    return {"bitwise": bitwise, "loss": run["loss"], "shard_rows": local(model.layers[0].mlp.down_proj.weight).shape}
 
 
 def test_qlora_under_hsdp(tmp_path, corpus):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from launch import run_ranks
+from whole import local, whole
 
 STEPS = 10
 SHORT = 5  # the 4-rank accumulation runs (4 processes on 2 cores are the slow part)
@@ -37,10 +38,10 @@ def train_runs(runs: dict[str, list[str]]) -> dict[str, dict]:
         ref.to_empty(device="cpu")
         ref.init_weights(seed=t.cfg.train.seed)
         ref_params = dict(ref.named_parameters())
-        init_diff = max((p.full_tensor() - ref_params[n]).abs().max().item() for n, p in t.model.named_parameters())
+        init_diff = max((whole(p) - ref_params[n]).abs().max().item() for n, p in t.model.named_parameters())
         recs = t.train()
         out[tag] = {"loss": [r["loss"] for r in recs], "grad_norm": [r["grad_norm"] for r in recs],
-                    "weights": {n: p.full_tensor().double().sum().item() for n, p in t.model.named_parameters()},
+                    "weights": {n: whole(p).double().sum().item() for n, p in t.model.named_parameters()},
                     "init_diff": init_diff, "local_bytes": local_state_bytes(t)}
     return out
 
@@ -54,9 +55,9 @@ def local_state_bytes(t) -> list[dict]:
     x, y = t.loader.next_step()[0]
     F.cross_entropy(t.model(x).flatten(0, 1), y.flatten()).backward()
     nbytes = lambda ts: sum(v.numel() * v.element_size() for v in ts)  # noqa: E731
-    mine = {"params": nbytes(p.to_local() for p in t.model.parameters()),
-            "grads": nbytes(p.grad.to_local() for p in t.model.parameters()),
-            "optim": nbytes(v.to_local() for s in t.optimizer.state.values() for k, v in s.items() if k != "step")}
+    mine = {"params": nbytes(local(p) for p in t.model.parameters()),
+            "grads": nbytes(local(p.grad) for p in t.model.parameters()),
+            "optim": nbytes(local(v) for s in t.optimizer.state.values() for k, v in s.items() if k != "step")}
     t.optimizer.zero_grad(set_to_none=True)
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)

@@ -121,3 +121,55 @@ def test_adapters_only_checkpoints_are_small_and_resume(run):
     assert small < 0.35 * full, (small, full)
     p = _shardlm(*_train_args(tmp / "assets", tmp / "small", 8, **args), nproc=2)
     assert "resumed from" in p.stdout and min(_records(tmp / "small")) == 1 and max(_records(tmp / "small")) == 8
+
+
+# -- one process, no torchrun: LoRA on a bf16 base and QLoRA train, export and plan (one GPU's setup) -------
+
+def _width_256_model(model_dir: Path) -> None:
+    """Replace make-debug-hf's model (dim 128: its k/v projections are not whole NF4 groups) with a dim-256 one
+    of the same tokenizer, whose every linear holds whole NF4 groups (as the issue's QLoRA run used)."""
+    import transformers
+
+    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    for f in model_dir.glob("*.safetensors*"):
+        f.unlink()
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=vocab, hidden_size=256, intermediate_size=256, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                                   tie_word_embeddings=False)
+    transformers.LlamaForCausalLM(cfg).float().save_pretrained(model_dir, safe_serialization=True)
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("one")
+    _shardlm("make-debug-hf", str(tmp / "assets"))
+    _width_256_model(tmp / "assets" / "model")
+    for base in ("bf16", "nf4"):  # plain `python -m shardlm train`: one process, no launcher
+        _shardlm(*_train_args(tmp / "assets", tmp / base, 6, **{"lora.base_dtype": base, "checkpoint.interval": 6}))
+    return tmp
+
+
+@pytest.mark.parametrize("base", ["bf16", "nf4"])
+def test_lora_and_qlora_train_export_and_plan_on_one_process(one_process, base):
+    from transformers import AutoModelForCausalLM
+
+    from shardlm.config import load_config
+    from shardlm.inference import load_for_inference
+
+    tmp = one_process
+    loss = _records(tmp / base)
+    assert sorted(loss) == list(range(1, 7)) and all(v == v for v in loss.values()), loss
+    ck = tmp / base / "checkpoints" / "step-6"
+    _shardlm("convert", "dcp-to-hf", str(ck), str(tmp / f"{base}-merged"), "--merge-lora", "--dtype", "fp32")
+    theirs = AutoModelForCausalLM.from_pretrained(tmp / f"{base}-merged").eval()
+    ours = load_for_inference(checkpoint=ck, cfg=load_config(None, ["--train.device=cpu",
+                                                                    "--train.mixed_precision=fp32"]))
+    x = torch.randint(0, theirs.config.vocab_size, (2, 48), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        a, b = theirs(x).logits, ours.model(x).float()
+    assert (a - b).abs().max().item() <= 1e-5 * a.abs().max().item() * 10
+    p = _shardlm("plan", "--config", str(ROOT / "configs" / "debug_lora.toml"), "--gpus-per-node", "1",
+                 "--gpu-mem-gib", "24", f"--model.init_from=hf:{tmp / 'assets' / 'model'}",
+                 f"--lora.base_dtype={base}", "--no-alternatives")
+    assert "on 1 ranks" in p.stdout and f"(base {base})" in p.stdout and "FITS" in p.stdout, p.stdout

@@ -15,7 +15,7 @@ import torch
 
 from shardlm.config import load_config
 from shardlm.errors import ConfigError
-from shardlm.parallel.fsdp import AUTO_UNSHARDED_SHARE, GIB, block_param_bytes, mp_policy, unsharded_blocks
+from shardlm.parallel.fsdp import AUTO_HEADROOM, GIB, block_param_bytes, mp_policy, unsharded_blocks
 from shardlm.train import sdpa
 from shardlm.train.sdpa import AUTO_HOPPER_ORDER, choose_sdpa_backends, sdpa_backends_for
 
@@ -150,18 +150,19 @@ def test_unsharded_blocks_explicit_settings():
     assert unsharded_blocks(99, 32, 10, None)[0] == 32
 
 
-def test_unsharded_blocks_auto_from_free_memory():
+def test_unsharded_blocks_auto_only_in_memory_left_free_at_the_peak():
     block = 436 * 2**20  # a Llama-3-8B block in bf16
-    free = 79 * GIB
-    k, why = unsharded_blocks("auto", 32, block, free)
-    assert k == int(AUTO_UNSHARDED_SHARE * free) // block and 1 < k < 32
-    assert k * block <= AUTO_UNSHARDED_SHARE * free < (k + 1) * block
-    assert f"{k} x" in why and "79.0 GiB free" in why
-    assert unsharded_blocks("auto", 32, block, free // 4)[0] < k  # less memory, fewer blocks
-    assert unsharded_blocks("auto", 4, block, free)[0] == 4  # all of a small model
-    k1, why1 = unsharded_blocks("auto", 80, 40 * GIB, free)  # a block bigger than the budget: the last only
-    assert k1 == 1 and "exceeds" in why1
-    assert unsharded_blocks("auto", 32, block, None) == (1, unsharded_blocks("auto", 8, 1, None)[1])  # CPU: 1
+    spare = 6 * GIB  # what a step with one unsharded block left free at its peak (less the headroom)
+    k, why = unsharded_blocks("auto", 32, block, spare)
+    assert k == 1 + spare // block and 1 < k < 32  # the last block, plus as many as the spare memory holds
+    assert (k - 1) * block <= spare < k * block  # so the peak grows by at most the spare: never past what fits
+    assert f"{k} x" in why and "6.0 GiB free at the peak" in why and f"{AUTO_HEADROOM:.0%}" in why
+    assert unsharded_blocks("auto", 32, block, spare // 4)[0] < k  # less memory, fewer blocks
+    assert unsharded_blocks("auto", 4, block, spare)[0] == 4  # all of a small model
+    k1, why1 = unsharded_blocks("auto", 80, 40 * GIB, spare)  # a block bigger than what is free: the last only
+    assert k1 == 1 and "no block" in why1
+    assert unsharded_blocks("auto", 32, block, -GIB)[0] == 1  # over the headroom already: nothing more
+    assert unsharded_blocks("auto", 32, block, None) == (1, unsharded_blocks("auto", 8, 1, None)[1])  # not known: 1
 
 
 def test_block_param_bytes_in_the_all_gather_dtype():

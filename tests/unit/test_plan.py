@@ -140,7 +140,7 @@ def test_plan_from_a_config_json_alone(tmp_path):
     from shardlm.models import get_preset
 
     assert r.n_params == get_preset("llama3_1b").num_params()
-    assert [n for n in r.notes if "reshard_after_forward=auto planned as" not in n] == []  # no shape note
+    assert [n for n in r.notes if "reshard_after_forward=auto" not in n] == []  # no shape note
 
 
 def test_plan_falls_back_to_the_preset_when_the_folder_is_missing(tmp_path):
@@ -316,24 +316,27 @@ def test_llama3_70b_extrapolated_equals_all_80_layers():
     assert fast.seconds < full.seconds
 
 
-def test_reshard_after_forward_auto_is_planned_for_the_gpu():
-    """auto keeps as many last blocks unsharded as fit in 5% of the planned GPU (at least 1), says so in a note,
-    and costs memory: its peak is above true's (1 block) on the same config."""
-    from shardlm.plan import resolve_reshard
+def test_reshard_after_forward_auto_never_plans_more_than_true():
+    """auto is planned as true (the last block unsharded, as a run starts) and the note says how many blocks a
+    run keeps after step 2: only as many as fit in what the planned peak leaves free, so a config that fits with
+    true fits with auto (the issue: auto kept 11 blocks of Llama-3-8B and turned a fitting plan into "does not
+    fit")."""
+    from shardlm.plan import auto_reshard_note, resolve_reshard
     from shardlm.plan.fake_step import model_config
 
     cfg = _cfg("--model.preset=debug", "--data.seq_len=64", "--train.micro_batch_size=1")
     mc, _ = model_config(cfg)
     assert cfg.parallel.reshard_after_forward == "auto"  # the default
-    big, why = resolve_reshard(cfg, mc, 80)
-    assert big.parallel.reshard_after_forward == mc.n_layers and "auto planned as" in why
-    tiny, _ = resolve_reshard(cfg, mc, 1e-4)  # 5% of 105 KB holds no block
-    assert tiny.parallel.reshard_after_forward == 1
-    same, note = resolve_reshard(_cfg("--parallel.reshard_after_forward=true"), mc, 80)
-    assert same.parallel.reshard_after_forward is True and note == ""
+    assert resolve_reshard(cfg).parallel.reshard_after_forward is True
+    same = _cfg("--parallel.reshard_after_forward=2")
+    assert resolve_reshard(same) is same and auto_reshard_note(same, mc, 0, 80, 4) == ""
     auto = plan(cfg, world_size=4, gpu_mem_gib=80, gpus_per_node=4, alternatives=False)
     true = plan(_cfg("--model.preset=debug", "--data.seq_len=64", "--train.micro_batch_size=1",
                      "--parallel.reshard_after_forward=true"), world_size=4, gpu_mem_gib=80, gpus_per_node=4,
                 alternatives=False)
-    assert any("reshard_after_forward=auto planned as" in n for n in auto.notes)
-    assert auto.base.peak.total > true.base.peak.total
+    assert auto.base.peak.raw == true.base.peak.raw
+    note = next(n for n in auto.notes if "reshard_after_forward=auto" in n)
+    assert f"keeps {mc.n_layers} of {mc.n_layers}" in note  # 80 GiB: room for every block of the debug model
+    # a GPU that the planned peak almost fills: no extra block
+    tight = auto_reshard_note(cfg, mc, true.base.peak_bytes, true.base.peak_bytes / GIB / 0.9 + 1e-9, 4)
+    assert f"keeps 1 of {mc.n_layers}" in tight, tight

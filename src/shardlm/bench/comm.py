@@ -141,14 +141,13 @@ class Traffic:
 
 
 def step_traffic(mb: ModelBytes, dp_shard: int, dp_replicate: int, reshard_after_forward: int | bool | str = True,
-                 grad_accum: int = 1, grad_sync: str = "micro_batch", free_bytes: int | None = None) -> Traffic:
+                 grad_accum: int = 1, grad_sync: str = "micro_batch", spare_bytes: int | None = None) -> Traffic:
     """What FSDP2 sends in one optimizer step, as `shardlm.parallel.fsdp.apply_fsdp` shards the model.
 
-    Per micro-batch: forward all-gathers every block and the root; the backward gathers them again,
-    except the last k blocks that keep their parameters (`parallel.fsdp.unsharded_blocks`: k = 1 with
-    true, every block with false, auto from `free_bytes`, the devices' free memory) and, with false, the
-    root (otherwise resharded: torch >= 2.8 honours an explicit reshard_after_forward=True for it,
-    pytorch#154704).
+    Per micro-batch: forward all-gathers every block and the root; the backward gathers the blocks again,
+    except the last k that keep their parameters (`parallel.fsdp.unsharded_blocks`: k = 1 with true, every
+    block with false, auto from `spare_bytes`, the memory a run finds free at its peak), never the root
+    (`apply_fsdp` leaves its reshard_after_forward to torch, which keeps the root unsharded to backward).
     Gradients (only the trainable ones: LoRA freezes the rest) are reduce-scattered after every
     micro-batch (grad_sync=micro_batch) or once (step); HSDP all-reduces the reduce-scattered
     shards across replicas once per step. Per-parameter padding to a multiple of dp_shard is ignored.
@@ -160,8 +159,8 @@ def step_traffic(mb: ModelBytes, dp_shard: int, dp_replicate: int, reshard_after
     if dp_shard > 1:
         from shardlm.parallel.fsdp import unsharded_blocks
 
-        k, _ = unsharded_blocks(raf, L, mb.block_params * mb.param_size, free_bytes)
-        bwd_blocks, root_gathers = L - k, (2 if raf is not False else 1)
+        k, _ = unsharded_blocks(raf, L, mb.block_params * mb.param_size, spare_bytes)
+        bwd_blocks, root_gathers = L - k, 1
         ag = ((L + bwd_blocks) * mb.block_params + root_gathers * mb.root_params) * mb.param_size * grad_accum
         detail["all_gather"] = (f"({L} fwd + {bwd_blocks} bwd) blocks + {root_gathers} root x {grad_accum} "
                                 f"micro-batch(es)")

@@ -8,10 +8,13 @@ Modes (`train.ac`):
 * ``selective``: layer-level selective AC: checkpoint every ``every``-th block, counting from 1
   (blocks ``every-1, 2*every-1, ...``; the torchtitan convention), so ``every=2`` checkpoints half
   of the blocks and ``every=1`` is ``full``.
-* ``selective_op``: op-level selective AC in every block (``create_selective_checkpoint_contexts``):
-  the outputs of matmuls and attention (``aten.mm/addmm/bmm``, ``_scaled_dot_product_*``) are saved,
-  everything else (norms, RoPE, SiLU, products, casts) is recomputed. Cheap to recompute, a good share
-  of the memory saved.
+* ``selective_op``: op-level selective AC in every block (``create_selective_checkpoint_contexts``),
+  torchtitan's per-op policy: the outputs of attention (``_scaled_dot_product_*``) and of every other matmul
+  (``aten.mm``/``addmm`` number 1, 3, 5, ... of the block: in a Llama block q, v, gate and down; k, o and up
+  are recomputed) are saved, and the scalar ``aten.max`` (float8 scales); everything else (norms, RoPE, SiLU,
+  products, casts) is recomputed. Each block's forward and its recomputation count their matmuls afresh, so
+  they agree on which are saved. Torchtitan's measured memory (benchmarks/plan_vs_published.py) is that of
+  this policy; saving every matmul would keep ~1.6x the activations of a Llama block for one matmul less.
 
 Parameter names do not change. `checkpoint_wrapper` would put each block behind a
 `_checkpoint_wrapped_module.` prefix (state-dict keys, `named_parameters`, LoRA/HF name mapping);
@@ -25,7 +28,6 @@ parameters (FSDP's pre-backward hook gathers them before the block's saved tenso
 
 from __future__ import annotations
 
-from functools import partial
 from typing import Any, Callable
 
 import torch
@@ -36,20 +38,25 @@ from torch.utils.checkpoint import checkpoint
 AC_MODES = ("none", "full", "selective", "selective_op")
 
 
-def _sac_save_ops() -> set:
-    """The aten ops whose outputs op-level selective AC keeps (those that exist in this torch)."""
-    aten = torch.ops.aten
-    names = ["mm", "addmm", "bmm", "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
-             "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu"]
+def _ops(names: list[str]) -> set:
+    """The `.default` overloads of the aten ops with these names that exist in this torch."""
     ops = set()
     for name in names:
-        packet = getattr(aten, name, None)
+        packet = getattr(torch.ops.aten, name, None)
         if packet is not None and hasattr(packet, "default"):
             ops.add(packet.default)
     return ops
 
 
+def _sac_ops() -> tuple[set, set]:
+    """(matmul ops: every other one saved, ops always saved) of op-level selective AC."""
+    return _ops(["mm", "addmm"]), _ops(["_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+                                        "_scaled_dot_product_cudnn_attention",
+                                        "_scaled_dot_product_flash_attention_for_cpu", "max"])
+
+
 def _sac_context_fn() -> Callable[[], Any]:
+    """A new pair of (forward, recompute) contexts per block call, sharing fresh matmul counters."""
     try:
         from torch.utils.checkpoint import (
             CheckpointPolicy,
@@ -58,12 +65,22 @@ def _sac_context_fn() -> Callable[[], Any]:
     except ImportError as e:  # pragma: no cover - present since torch 2.4/2.5
         raise RuntimeError("train.ac=selective_op needs torch.utils.checkpoint.create_selective_checkpoint_contexts "
                            "(torch >= 2.5); use ac=full or ac=selective") from e
-    save = _sac_save_ops()
+    matmuls, always = _sac_ops()
 
-    def policy(ctx, op, *args, **kwargs):
-        return CheckpointPolicy.MUST_SAVE if op in save else CheckpointPolicy.PREFER_RECOMPUTE
+    def contexts():
+        count = {False: 0, True: 0}  # matmuls seen in the forward / in the recomputation of this block call
 
-    return partial(create_selective_checkpoint_contexts, policy)
+        def policy(ctx, op, *args, **kwargs):
+            if op in matmuls:
+                count[ctx.is_recompute] += 1
+                save = count[ctx.is_recompute] % 2 == 1
+            else:
+                save = op in always
+            return CheckpointPolicy.MUST_SAVE if save else CheckpointPolicy.PREFER_RECOMPUTE
+
+        return create_selective_checkpoint_contexts(policy)
+
+    return contexts
 
 
 class CheckpointedBlock:

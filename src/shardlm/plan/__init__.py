@@ -133,23 +133,35 @@ def resolve_auto(cfg: Config, mc, world_size: int, gpus_per_node: int, gpu_mem_g
     return cfg, f"parallel.dp_replicate x dp_shard = {dims.dp_replicate} x {dims.dp_shard}, {why}"
 
 
-def resolve_reshard(cfg: Config, mc, gpu_mem_gib: float) -> tuple[Config, str]:
-    """`cfg` with parallel.reshard_after_forward=auto resolved to the number of last blocks kept unsharded, as
-    the trainer decides it (`parallel.fsdp.unsharded_blocks`) but from the whole of `gpu_mem_gib` instead of
-    the memory free at start-up, which is less: the plan keeps at least as many blocks as the run, never fewer
-    (so it never under-plans); and the reason (empty when the setting is not auto)."""
+def resolve_reshard(cfg: Config) -> Config:
+    """`cfg` as the planner measures it: parallel.reshard_after_forward=auto planned as true (the last block
+    unsharded), which is how a run starts; what a run adds later goes only into memory the plan leaves free
+    (`auto_reshard_note`)."""
+    if cfg.parallel.reshard_after_forward != "auto":
+        return cfg
+    return dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, reshard_after_forward=True))
+
+
+def auto_reshard_note(cfg: Config, mc, peak_bytes: int, gpu_mem_gib: float, world_size: int) -> str:
+    """What parallel.reshard_after_forward=auto does on top of the plan: after step 2 a run keeps as many more
+    of the last blocks unsharded as fit in what its peak left free, less `AUTO_HEADROOM` of the device
+    (`parallel.fsdp.settle_auto_reshard`): the same rule applied to the planned peak. Empty when not auto."""
     from shardlm.build import meta_model
-    from shardlm.parallel.fsdp import block_param_bytes, mp_policy, unsharded_blocks
+    from shardlm.parallel.fsdp import AUTO_HEADROOM, block_param_bytes, mp_policy, single_copy_params, unsharded_blocks
 
     if cfg.parallel.reshard_after_forward != "auto":
-        return cfg, ""
+        return ""
     t = cfg.train
-    block = meta_model(cfg, dataclasses.replace(mc, n_layers=1)).layers[0]
-    k, why = unsharded_blocks("auto", mc.n_layers, block_param_bytes(block, mp_policy(t.precision("cuda"), t.reduce_dtype)),
-                              None if t.cpu_offload else int(gpu_mem_gib * GIB))
-    cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, reshard_after_forward=k))
-    return cfg, f"parallel.reshard_after_forward=auto planned as {k} (of the whole {gpu_mem_gib:g} GiB: a run keeps " \
-                f"as many or fewer); {why}"
+    if t.cpu_offload:
+        return "parallel.reshard_after_forward=auto: the last block only (CPU offload)"
+    one = meta_model(cfg, dataclasses.replace(mc, n_layers=1))
+    mp = mp_policy(t.precision("cuda"), t.reduce_dtype)
+    block_bytes = block_param_bytes(one.layers[0], mp, single_copy_params(one, world_size, mp, t.cpu_offload))
+    spare = int(gpu_mem_gib * GIB * (1 - AUTO_HEADROOM)) - peak_bytes
+    k, why = unsharded_blocks("auto", mc.n_layers, block_bytes, spare)
+    return (f"parallel.reshard_after_forward=auto: planned with the last block unsharded (as true); after step 2 a "
+            f"run keeps {k} of {mc.n_layers} ({why}), peak then up to {(peak_bytes + (k - 1) * block_bytes) / GIB:.2f}"
+            " GiB")
 
 
 def _notes(cfg: Config, shape_note: str | None, attention: str) -> list[str]:
@@ -199,8 +211,9 @@ def plan(cfg: Config, world_size: int, gpu_mem_gib: float, gpus_per_node: int = 
     usable = int(gpu_mem_gib * (1 - headroom) * GIB)
     mc, shape_note = model_config(cfg)
     cfg, dims_note = resolve_auto(cfg, mc, world_size, gpus_per_node, gpu_mem_gib)
-    cfg, reshard_note = resolve_reshard(cfg, mc, gpu_mem_gib)
-    base, step = measure(cfg, world_size, usable, "as configured", exact=exact, document_attention=backend)
+    base, step = measure(resolve_reshard(cfg), world_size, usable, "as configured", exact=exact,
+                         document_attention=backend)
+    reshard_note = auto_reshard_note(cfg, mc, base.peak_bytes, gpu_mem_gib, world_size)
     notes = ([dims_note] if dims_note else []) + ([reshard_note] if reshard_note else []) + \
         _notes(cfg, shape_note, backend) + ([base.note] if base.note else [])
     report = PlanReport(model=cfg.model.init_from or cfg.model.preset, n_params=step.n_params,

@@ -25,7 +25,7 @@ from shardlm.parallel.dims import ParallelDims
 from shardlm.parallel.fsdp import clip_grad_norm_
 from shardlm.plan import attention
 from shardlm.plan.report import OFFLOADED, flat
-from shardlm.plan.tracker import PlanTracker
+from shardlm.plan.tracker import PlanTracker, track_unmanaged
 from shardlm.train.optim import build_optimizer
 from shardlm.train.step import forward_backward
 
@@ -212,6 +212,7 @@ def fake_step(cfg: Config, world_size: int, mc: ModelConfig | None = None, phase
             tracker = PlanTracker(model, optimizer)
             tracker.phases = {} if phases else None
             tracker.track_inputs(tuple(batches))
+            unmanaged = track_unmanaged(tracker, model)
             with tracker, attention.planned(model, attention.resolve(document_attention)[0]):
                 state = training_step(model, optimizer, pairs, batches, dims, run, tracker)
             peak = flat(tracker.get_tracker_snapshot("peak"))
@@ -220,6 +221,8 @@ def fake_step(cfg: Config, world_size: int, mc: ModelConfig | None = None, phase
                              model_state=flat(state), offload=int(offload),
                              phases=None if tracker.phases is None else
                              {k: {**flat(snap), "offload": off} for k, (_, snap, off) in tracker.phases.items()})
+            for h in unmanaged:
+                h.remove()
             del model, optimizer, pairs, batches, tracker
     finally:
         dist.destroy_process_group()

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import torch
 
+from torch import nn
+from torch.distributed.tensor import DTensor
+
 from shardlm._torch_compat import (UPDATE_PEAK_STATS, FSDPMemTracker, tracker_categories, tracker_current,
-                                   tracker_module_state, tracker_peaks)
+                                   tracker_module_state, tracker_peaks, tracker_register)
 from shardlm.plan.report import OFFLOADED
 
 
@@ -56,6 +59,21 @@ class PlanTracker(FSDPMemTracker):
         if func is _PRIM_DEVICE:
             return func(*args, **(kwargs or {}))
         return super().__torch_dispatch__(func, types, args, kwargs)
+
+
+def track_unmanaged(tracker: FSDPMemTracker, model: nn.Module) -> list:
+    """Count the parameters FSDP does not manage (on one rank, `parallel.fsdp.single_copy_params`: plain tensors,
+    not DTensors) as "Sharded Param", the one copy there is, and their gradients as "Sharded Grad" as they come;
+    FSDPMemTracker sees only FSDP's own. Returns the hook handles (remove them when done)."""
+    handles = []
+    for p in model.parameters():
+        if isinstance(p, DTensor):
+            continue
+        tracker_register(tracker, p, "Sharded Param")
+        if p.requires_grad:
+            handles.append(p.register_post_accumulate_grad_hook(
+                lambda q: tracker_register(tracker, q.grad, "Sharded Grad")))
+    return handles
 
 
 assert hasattr(FSDPMemTracker, UPDATE_PEAK_STATS), "FSDPMemTracker changed: review shardlm/_torch_compat.py"

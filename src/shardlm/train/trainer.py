@@ -34,7 +34,7 @@ from shardlm.observe.metrics import MetricsLogger, Throughput, peak_flops, read_
 from shardlm.observe.profiler import PhaseTimer, StepProfiler
 from shardlm.observe.wandb_log import WandbLogger
 from shardlm.parallel.dims import device_memory_bytes, dp_rank, launch_topology, resolve_dims
-from shardlm.parallel.fsdp import DTYPES, clip_grad_norm_
+from shardlm.parallel.fsdp import DTYPES, clip_grad_norm_, settle_auto_reshard
 from shardlm.quant.fp8 import precompute_fp8_scales
 from shardlm.train.optim import build_lr_scheduler, build_optimizer, extended_anchor
 from shardlm.train.preemption import Preemption
@@ -481,6 +481,10 @@ class Trainer:
                 continue
             self.skipped_in_row = 0
             self.step += 1
+            if self.step - self.started_at == 2:  # the optimizer state exists: this step's peak is the steady one
+                wd.enter("reshard_after_forward=auto")
+                if line := settle_auto_reshard(self.model, self.mesh, t.cpu_offload):
+                    self.log(line)
             log_now = self.step % log_every == 0 or self.step == t.steps
             save_now = self.checkpointer.due(self.step, final=self.step == t.steps, stopped=stopped)
             loss_v = None
