@@ -69,21 +69,26 @@ def _worker() -> dict:
     n_tokens = int((y != -100).sum())
     cpu = torch.device("cpu")
     out = {}
+    from shardlm.models import llama
+
+    loss_sum = llama._loss_sum
     for kind in CASES:
         m = _build(kind, mesh)
         seen = []  # the head weight each chunk computes with: (plain tensor?, shape), forward and recompute
-        loss_sum = type(m)._loss_sum
 
-        def spy(h, labels, m=m, loss_sum=loss_sum):
+        def spy(head, h, labels, m=m):
             w = m.embed_tokens.weight if m.lm_head is None else m.lm_head.weight
             seen.append((type(w).__name__, tuple(w.shape)))
-            return loss_sum(m, h, labels)
+            return loss_sum(head, h, labels)
 
         res = {}
         for chunk in (0, CHUNK):
             m.zero_grad(set_to_none=True)
-            m._loss_sum = spy if chunk else (lambda h, labels, m=m, f=loss_sum: f(m, h, labels))
-            loss = forward_backward(m, [mine], env.world_size / n_tokens, cpu, loss_chunk_tokens=chunk)
+            llama._loss_sum = spy if chunk else loss_sum
+            try:
+                loss = forward_backward(m, [mine], env.world_size / n_tokens, cpu, loss_chunk_tokens=chunk)
+            finally:
+                llama._loss_sum = loss_sum
             dist.all_reduce(loss)
             res[chunk] = (loss.item(), _grads(m))
         out[kind] = {"res": res, "seen": seen}

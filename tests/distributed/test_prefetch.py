@@ -1,8 +1,8 @@
 """FSDP2 schedule knobs on 2 gloo ranks (one spawn for the module): parallel.prefetch only reorders the
 all-gathers and parallel.reshard_after_forward only changes which blocks are gathered again in backward,
 so three optimizer steps give bit-identical losses and weights for every setting; and each setting does
-what it says (all-gathers issued per block, blocks still unsharded after forward; the root is gathered once
-per step, never again in backward). reshard_after_forward=auto settles after a step has run (as a run does after
+what it says (all-gathers issued per block, blocks still unsharded after forward; the norm + head unit is
+gathered once per step, the embedding again for its backward). reshard_after_forward=auto settles after a step has run (as a run does after
 step 2 on GPUs, from the memory left free at the peak, here stood in for) and takes effect from the next forward."""
 
 from __future__ import annotations
@@ -92,6 +92,7 @@ def _worker() -> dict:
             assert fsdp.settle_auto_reshard(m, mesh, cpu_offload=False) is None  # once
         for i, block in enumerate(m.layers):  # runs before FSDP's own pre-forward hook (it is prepended too)
             block.register_forward_pre_hook(lambda mod, args, i=i: events.append(f"fwd{i}"), prepend=True)
+        m.norm.register_forward_pre_hook(lambda mod, args: events.append("head"), prepend=True)
         opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
         losses = []
         for step, batches in enumerate(data):
@@ -126,9 +127,11 @@ def results():
 
 
 def _gathers_per_block(events: list[str]) -> list[int]:
-    """All-gathers issued from each block's pre-forward (the root's come before block 0's marker)."""
+    """All-gathers issued from each block's pre-forward (the embedding's come before block 0's marker, the final
+    norm + head's after the "head" marker)."""
     marks = [i for i, e in enumerate(events) if e.startswith("fwd")]
-    return [events[a + 1:b].count("ag") for a, b in zip(marks, marks[1:] + [len(events)])]
+    end = events.index("head")
+    return [events[a + 1:b].count("ag") for a, b in zip(marks, marks[1:] + [end])]
 
 
 @pytest.mark.parametrize("name", [n for n in CASES if n != "prefetch1"])
@@ -153,6 +156,8 @@ def test_prefetch_issues_the_next_blocks_all_gathers_early(results):
 def test_reshard_after_forward_keeps_the_last_k_blocks(results, name, k):
     r = results[name]
     assert r["kept"] == [i >= L - k for i in range(L)], (name, r["kept"])
-    assert r["bwd_gathers"] == L - k, name  # the root keeps its parameters to backward: never gathered again
+    # backward gathers the resharded blocks and the embedding (its own unit), never the norm + head (kept)
+    assert r["bwd_gathers"] == L - k + (name != "reshard_false"), name
+    assert r["fwd_events"][0] == "ag" and r["fwd_events"][r["fwd_events"].index("head") + 1] == "ag"
     assert r["choices"].unsharded == k and r["choices"].n_blocks == L and not r["choices"].pending_auto
     assert ("auto" in r["choices"].reshard_reason) == name.startswith("auto")

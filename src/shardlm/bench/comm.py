@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from shardlm.config import Config
 from shardlm.errors import ConfigError
+from shardlm.models.llama import OutputHead
 
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce")
 MIB = 2**20
@@ -99,6 +100,7 @@ class ModelBytes:
     root_trainable: int
     param_size: int  # bytes per element of the all-gathered parameters (the mixed-precision param dtype)
     grad_size: int  # bytes per element of the reduced gradients (train.reduce_dtype)
+    regathered: int = 0  # root parameters gathered again in backward: an untied embedding (its own unit)
 
     @property
     def block_gather_bytes(self) -> int:
@@ -124,7 +126,8 @@ def model_bytes(cfg: Config, mc: Any, device_type: str) -> tuple[ModelBytes, str
         n_blocks=len(model.layers),
         block_params=sum(p.numel() for p in block), block_trainable=sum(p.numel() for p in block if p.requires_grad),
         root_params=sum(p.numel() for p in root), root_trainable=sum(p.numel() for p in root if p.requires_grad),
-        param_size=DTYPES[param_dtype].itemsize, grad_size=DTYPES[cfg.train.reduce_dtype].itemsize)
+        param_size=DTYPES[param_dtype].itemsize, grad_size=DTYPES[cfg.train.reduce_dtype].itemsize,
+        regathered=model.embed_tokens.weight.numel() if isinstance(model.lm_head, OutputHead) else 0)
     return mb, param_dtype, cfg.train.reduce_dtype
 
 
@@ -144,10 +147,11 @@ def step_traffic(mb: ModelBytes, dp_shard: int, dp_replicate: int, reshard_after
                  grad_accum: int = 1, grad_sync: str = "micro_batch", spare_bytes: int | None = None) -> Traffic:
     """What FSDP2 sends in one optimizer step, as `shardlm.parallel.fsdp.apply_fsdp` shards the model.
 
-    Per micro-batch: forward all-gathers every block and the root; the backward gathers the blocks again,
-    except the last k that keep their parameters (`parallel.fsdp.unsharded_blocks`: k = 1 with true, every
-    block with false, auto from `spare_bytes`, the memory a run finds free at its peak), never the root
-    (`apply_fsdp` leaves its reshard_after_forward to torch, which keeps the root unsharded to backward).
+    Per micro-batch: forward all-gathers every block and the root's parameters; the backward gathers the blocks
+    again, except the last k that keep their parameters (`parallel.fsdp.unsharded_blocks`: k = 1 with true,
+    every block with false, auto from `spare_bytes`, the memory a run finds free at its peak), and an untied
+    embedding (its own unit, resharded after forward unless false); the head unit keeps its parameters to its
+    backward.
     Gradients (only the trainable ones: LoRA freezes the rest) are reduce-scattered after every
     micro-batch (grad_sync=micro_batch) or once (step); HSDP all-reduces the reduce-scattered
     shards across replicas once per step. Per-parameter padding to a multiple of dp_shard is ignored.
@@ -160,10 +164,10 @@ def step_traffic(mb: ModelBytes, dp_shard: int, dp_replicate: int, reshard_after
         from shardlm.parallel.fsdp import unsharded_blocks
 
         k, _ = unsharded_blocks(raf, L, mb.block_params * mb.param_size, spare_bytes)
-        bwd_blocks, root_gathers = L - k, 1
-        ag = ((L + bwd_blocks) * mb.block_params + root_gathers * mb.root_params) * mb.param_size * grad_accum
-        detail["all_gather"] = (f"({L} fwd + {bwd_blocks} bwd) blocks + {root_gathers} root x {grad_accum} "
-                                f"micro-batch(es)")
+        bwd_blocks, again = L - k, (mb.regathered if raf is not False else 0)
+        ag = ((L + bwd_blocks) * mb.block_params + mb.root_params + again) * mb.param_size * grad_accum
+        emb = " + the embedding again" if again else ""
+        detail["all_gather"] = (f"({L} fwd + {bwd_blocks} bwd) blocks + root{emb} x {grad_accum} micro-batch(es)")
         reductions = grad_accum if grad_sync == "micro_batch" else 1
         rs = grads * reductions
         detail["reduce_scatter"] = f"trainable grads of {L} blocks + root x {reductions}"

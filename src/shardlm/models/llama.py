@@ -408,6 +408,44 @@ class Block(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+def _loss_sum(head: Callable[[torch.Tensor], torch.Tensor], h: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(head(h).float(), labels, ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+def chunked_cross_entropy(h: torch.Tensor, labels: torch.Tensor, chunk_tokens: int,
+                          head: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """fp32 cross-entropy of `head`'s logits over final-norm outputs h (B, T, dim), summed over the targets.
+
+    chunk_tokens > 0: the (B*T) tokens go through the head and the loss `chunk_tokens` at a time, each
+    chunk under non-reentrant checkpointing, so its logits are freed once its loss is known and
+    recomputed in backward (one more head forward per step); the head's gradient sums over the chunks.
+    Peak logits memory: (chunk_tokens, vocab) instead of (B*T, vocab), in fp32 and the compute dtype.
+    """
+    h, labels = h.flatten(0, 1), labels.flatten()
+    if labels.shape[0] != h.shape[0]:
+        raise ValueError(f"labels hold {labels.shape[0]} tokens, the inputs {h.shape[0]}")
+    n = h.shape[0]
+    if chunk_tokens <= 0 or chunk_tokens >= n:
+        return _loss_sum(head, h, labels)
+    losses = [checkpoint(_loss_sum, head, h[i : i + chunk_tokens], labels[i : i + chunk_tokens], use_reentrant=False)
+              for i in range(0, n, chunk_tokens)]
+    return torch.stack(losses).sum()
+
+
+class OutputHead(nn.Linear):
+    """The output projection to the vocabulary (`lm_head`), which also computes the training loss.
+
+    `forward(h)` gives logits; `forward(h, labels, chunk_tokens)` the chunked cross-entropy, every chunk through
+    this weight, inside this one call: a sharding wrapper (FSDP) sees one forward and one backward of the head
+    however many chunks there are, so the head can be a unit of its own, gathered once and freed after its
+    backward (`shardlm.parallel.fsdp.apply_fsdp`)."""
+
+    def forward(self, h: torch.Tensor, labels: torch.Tensor | None = None, chunk_tokens: int = 0) -> torch.Tensor:
+        if labels is None:
+            return F.linear(h, self.weight, self.bias)
+        return chunked_cross_entropy(h, labels, chunk_tokens, lambda x: F.linear(x, self.weight, self.bias))
+
+
 # An init spec: ("normal", std) | ("ones",) | ("zeros",)
 InitSpec = tuple
 # Maps a parameter to (its local tensor, the global index of its first row). The identity for
@@ -433,7 +471,7 @@ class Transformer(nn.Module):
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         # Tied: the output projection reads embed_tokens.weight (no second parameter to re-tie
         # after to_empty or sharding).
-        self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        self.lm_head = None if cfg.tie_embeddings else OutputHead(cfg.dim, cfg.vocab_size, bias=False)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None, *,
                 cache: KVCache | None = None, last_only: bool = False, labels: torch.Tensor | None = None,
@@ -498,26 +536,12 @@ class Transformer(nn.Module):
             return F.linear(h, self.embed_tokens.weight.to(h.dtype))
         return self.lm_head(h)
 
-    def _loss_sum(self, h: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(self.head(h).float(), labels, ignore_index=IGNORE_INDEX, reduction="sum")
-
     def loss(self, h: torch.Tensor, labels: torch.Tensor, chunk_tokens: int = 0) -> torch.Tensor:
-        """fp32 cross-entropy of the head over final-norm outputs h (B, T, dim), summed over the targets.
-
-        chunk_tokens > 0: the (B*T) tokens go through the head and the loss `chunk_tokens` at a time, each
-        chunk under non-reentrant checkpointing, so its logits are freed once its loss is known and
-        recomputed in backward (one more head forward per step); the head's gradient sums over the chunks.
-        Peak logits memory: (chunk_tokens, vocab) instead of (B*T, vocab), in fp32 and the compute dtype.
-        """
-        h, labels = h.flatten(0, 1), labels.flatten()
-        if labels.shape[0] != h.shape[0]:
-            raise ValueError(f"labels hold {labels.shape[0]} tokens, the inputs {h.shape[0]}")
-        n = h.shape[0]
-        if chunk_tokens <= 0 or chunk_tokens >= n:
-            return self._loss_sum(h, labels)
-        losses = [checkpoint(self._loss_sum, h[i : i + chunk_tokens], labels[i : i + chunk_tokens],
-                             use_reentrant=False) for i in range(0, n, chunk_tokens)]
-        return torch.stack(losses).sum()
+        """fp32 cross-entropy of the head over final-norm outputs h (B, T, dim), summed over the targets
+        (`chunked_cross_entropy`). An `OutputHead` runs it inside its one call; a tied or adapted head here."""
+        if isinstance(self.lm_head, OutputHead):
+            return self.lm_head(h, labels, chunk_tokens)
+        return chunked_cross_entropy(h, labels, chunk_tokens, self.head)
 
     def new_cache(self, batch_size: int, max_len: int, pad: torch.Tensor | None = None) -> KVCache:
         """An empty `KVCache` for this model (see KVCache for `pad`)."""

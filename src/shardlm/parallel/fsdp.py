@@ -20,6 +20,7 @@ from torch.distributed.fsdp import (
 from torch.distributed.tensor import DTensor
 
 from shardlm._torch_compat import compute_local_shape_and_global_offset
+from shardlm.models.llama import OutputHead
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 GIB = 2**30
@@ -131,9 +132,12 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, mp: MixedPrecisionPolicy,
     """Shard every block of `model.layers` as its own unit, then the root (embeddings, norm, head).
 
     The last k blocks keep their parameters after forward (`unsharded_blocks`; k = 1 by default):
-    backward needs them first, so resharding them would only cost an extra all-gather. The root keeps its
-    parameters from forward to backward (torch's default for the root; the output head runs last in forward
-    and first in backward). `prefetch` > 1 all-gathers the next N blocks ahead (forward) and the previous N
+    backward needs them first, so resharding them would only cost an extra all-gather. With an untied head
+    (`OutputHead`), the embedding is a unit of its own (freed after its forward, gathered again for its backward
+    at the very end) and so is the head (kept from its forward to its backward, which comes first, then freed):
+    neither is held while the blocks run backward (torchtitan's and torchtune's split; the root held both all
+    step: 2 x vocab x dim in the compute dtype, 3.9 GiB for Llama-3-70B). A tied or LoRA-adapted head stays in
+    the root with the embedding, whose parameters torch keeps from forward to backward. `prefetch` > 1 all-gathers the next N blocks ahead (forward) and the previous N
     (backward) instead of FSDP's implicit one. With `cpu_offload` the sharded parameters, gradients and
     optimizer state live in (pinned) host memory between uses. Under reshard_after_forward=auto, `spare_bytes`
     stands in for the memory the run finds free at its peak (tests; a run calls `settle_auto_reshard`). On a
@@ -153,6 +157,14 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, mp: MixedPrecisionPolicy,
     extra = {"ignored_params": ignored} if ignored else {}
     for i, block in enumerate(blocks):
         fully_shard(block, mesh=mesh, mp_policy=mp, offload_policy=offload, reshard_after_forward=i < n - k, **extra)
+    if isinstance(getattr(model, "lm_head", None), OutputHead):  # untied: embedding and head need not live all step
+        # the embedding runs first in forward and last in backward: freed in between (gathered again at the end)
+        fully_shard(model.embed_tokens, mesh=mesh, mp_policy=mp, offload_policy=offload,
+                    reshard_after_forward=reshard_after_forward is not False, **extra)
+        # the head (and the loss, in its one call) runs last in forward and first in backward: kept to its
+        # backward, then freed before the blocks' backward
+        fully_shard(model.lm_head, mesh=mesh, mp_policy=mp, offload_policy=offload, reshard_after_forward=False,
+                    **extra)
     fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=offload, **extra)
     set_prefetch(blocks, prefetch)
     model.fsdp_choices = FsdpChoices(k, n, why, prefetch, block_bytes, pending, len(ignored))
