@@ -26,6 +26,22 @@ from torch.testing._internal.distributed.fake_pg import FakeStore  # noqa: F401
 from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPRefType  # noqa: F401
 
 UPDATE_PEAK_STATS = "_update_peak_stats"
+UPDATE_SNAP = "_update_snap"  # (update type, winfo, old bytes, old category): every add, free, relabel, resize
+
+
+def snap_update(u_type: Any) -> str:
+    """The name of a tracker `_update_snap` update type: ADD, DEL, REF (relabel) or SIZE (storage resize)."""
+    return u_type.name
+
+
+def winfo_bytes(winfo: Any) -> int:
+    """Bytes a tracked storage holds now (`_WeakRefInfo.mem_consumed`)."""
+    return winfo.mem_consumed
+
+
+def winfo_category(winfo: Any) -> str:
+    """The tracker's category name of a tracked storage (`_WeakRefInfo.reftype.value`)."""
+    return str(winfo.reftype.value)
 
 
 def tracker_current(tracker: FSDPMemTracker) -> dict | None:
@@ -43,12 +59,12 @@ def tracker_module_state(tracker: FSDPMemTracker) -> tuple[Any, bool]:
     return tracker._mod_tracker.parents, tracker._mod_tracker.is_bw
 
 
-def tracker_register(tracker: FSDPMemTracker, t: torch.Tensor, category: str) -> None:
+def tracker_register(tracker: FSDPMemTracker, t: torch.Tensor, category: str) -> set:
     """Count `t` (one that exists already) under the tracker's category named `category` (e.g. "Sharded Param"),
     relabelling it if the tracker knows it under another (`_update_and_maybe_create_winfos`, as upstream labels the
-    tensors it finds itself)."""
+    tensors it finds itself). Returns the records of its storages."""
     kind = next(k for k in _FSDPRefType if k.value == category)
-    tracker._update_and_maybe_create_winfos(t, kind)
+    return tracker._update_and_maybe_create_winfos(t, kind)
 
 
 def tracker_categories(values: tuple[str, ...]) -> tuple:
@@ -147,7 +163,7 @@ def stop_memory_history() -> None:
 
 
 __all__ = ["compute_local_shape_and_global_offset", "set_element", "FakeTensorMode", "FakeStore", "FSDPMemTracker",
-           "tracker_current", "tracker_peaks", "tracker_module_state", "tracker_categories", "tracker_register", "UPDATE_PEAK_STATS",
+           "tracker_current", "tracker_peaks", "UPDATE_SNAP", "snap_update", "winfo_bytes", "winfo_category", "tracker_module_state", "tracker_categories", "tracker_register", "UPDATE_PEAK_STATS",
            "compile_backends", "release_mesh_groups", "float8_linear_class", "set_pg_timeout",
            "dump_flight_recorder", "record_memory_history", "dump_memory_snapshot", "stop_memory_history", "torch"]
 

@@ -256,3 +256,15 @@ def test_gpu_mfu_dry_run_on_cpu(tmp_path):
         text + p.stdout  # from the startup line
     assert "failed" in rows["cudnn"] and "CUDA GPUs only" in rows["cudnn"]  # the trainer's one line
     assert "skipped" in rows["nokey"] and "no_such_key" in rows["nokey"]
+
+
+def test_gpu_memory_dry_run_on_cpu(tmp_path):
+    """benchmarks/gpu_memory.py's pipeline on CPU: a `shardlm train` run, its memory records, the plan beside."""
+    out = tmp_path / "gpu_memory.txt"
+    p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_memory.py"), "--dry-run", "--out", str(out)],
+                       capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert p.returncode == 0, p.stdout + p.stderr
+    row = next(ln for ln in out.read_text().splitlines() if ln.startswith("dry-debug"))
+    planned, measured = (float(x) for x in row.split()[1:3])
+    assert planned > 0 and measured > 0, row  # the plan's allocated figure, the run's mem_gib
+    assert row.split()[5] == "-", row  # no reserved figure off CUDA

@@ -57,7 +57,7 @@ def test_alternatives_when_it_does_not_fit():
     base = plan(cfg, world_size=2, gpu_mem_gib=80, alternatives=False).base
     ac_full = plan(_cfg(*SMALL, "--train.micro_batch_size=8", ac="full"), 2, 80, alternatives=False).base
     # Usable memory halfway between the two: full AC fits, the config as it is does not.
-    mem_gib = (ac_full.peak.total + base.peak.total) / 2 / GIB / 0.9
+    mem_gib = (ac_full.peak_bytes + base.peak_bytes) / 2 / GIB / 0.9
     r = plan(cfg, world_size=2, gpu_mem_gib=mem_gib)
     assert not r.fits
     alts = {s.name: s for s in r.alternatives}
@@ -118,7 +118,8 @@ def test_fp8_is_planned_with_float8_linears():
 def test_cpu_offload_is_planned_with_the_offload_policy():
     r = plan(_cfg("--model.preset=debug", "--train.cpu_offload=true"), 2, 80, alternatives=False)
     b = r.base
-    assert b.cpu_offload and b.peak_bytes == b.offload_peak_bytes < b.peak.total
+    assert b.cpu_offload and b.peak_bytes == b.offload_device.total and b.offload_device.tensors == \
+        b.offload_peak_bytes < b.peak.total
     offloaded = sum(b.peak.raw.get(k, 0) for k in ("Sharded Param", "Sharded Grad", "OptState"))
     assert b.offload_peak_bytes >= b.peak.total - offloaded  # the on-GPU peak is over the whole step
 
@@ -238,6 +239,12 @@ def test_extrapolated_plan_equals_every_layer(extra, extrapolate_small):
     assert fast.base.peak.raw == full.base.peak.raw
     assert fast.base.model_state.raw == full.base.model_state.raw
     assert fast.base.offload_peak_bytes == full.base.offload_peak_bytes
+    # the allocator's segments, each extrapolated by its own rule (plan.extrapolate.extrapolate_segments): within 3%,
+    # or a 20 MiB page per segment (this tiny model's tensors are KBs: the pages are most of what it reserves)
+    from shardlm.plan.allocator import LARGE_PAGE
+
+    for f, e in ((fast.base.device, full.base.device), (fast.base.offload_device, full.base.offload_device)):
+        assert abs(f.reserved - e.reserved) <= max(0.03 * e.reserved, 3 * LARGE_PAGE), (f, e)
 
 
 def test_extrapolation_checks_its_fit(extrapolate_small):
@@ -313,6 +320,7 @@ def test_llama3_70b_extrapolated_equals_all_80_layers():
     fast = plan(cfg, world_size=8, gpu_mem_gib=80, alternatives=False)
     full = plan(cfg, world_size=8, gpu_mem_gib=80, alternatives=False, exact=True)
     assert fast.base.peak.raw == full.base.peak.raw and fast.base.model_state.raw == full.base.model_state.raw
+    assert fast.base.device.reserved == pytest.approx(full.base.device.reserved, rel=0.03)
     assert fast.seconds < full.seconds
 
 

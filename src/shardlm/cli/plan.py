@@ -8,14 +8,18 @@ TAKES_OVERRIDES = True
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    p.usage = ("shardlm plan [--config FILE] --gpu-mem-gib M [--nodes N] [--gpus-per-node G] [--headroom F] "
-               "[--json] [--no-alternatives] [--exact] [--document-attention A] [--section.key=value ...]")
-    p.epilog = ("exit code: 0 if the config fits, 3 if it does not.\n"
+    p.usage = ("shardlm plan [--config FILE] --gpu-mem-gib M[,M...] [--max KEY] [--nodes N] [--gpus-per-node G] "
+               "[--headroom F] [--json] [--no-alternatives] [--exact] [--document-attention A] [--section.key=value ...]")
+    p.epilog = ("exit code: 0 if the config fits (with --max: if some value fits every size), 3 if it does not.\n"
                 "--section.key=value overrides the config (see `shardlm train --help`).")
     p.add_argument("--config", metavar="FILE", help="TOML config file (default: the built-in defaults)")
     p.add_argument("--nodes", type=int, default=1, metavar="N", help="number of nodes (default: 1)")
     p.add_argument("--gpus-per-node", type=int, default=8, metavar="G", help="GPUs per node (default: 8)")
-    p.add_argument("--gpu-mem-gib", type=float, required=True, metavar="M", help="memory of one GPU, in GiB")
+    p.add_argument("--gpu-mem-gib", type=_sizes, required=True, metavar="M",
+                   help="memory of one GPU, in GiB; with --max, a comma-separated row of sizes (e.g. 24,48,80)")
+    p.add_argument("--max", default=None, metavar="KEY", choices=("data.seq_len", "train.micro_batch_size"),
+                   help="instead of one plan: the largest data.seq_len (steps of 128) or train.micro_batch_size that "
+                        "fits, for each --gpu-mem-gib size")
     p.add_argument("--headroom", type=float, default=None, metavar="F",
                    help="fraction of each GPU kept free for what is not modelled (default: 0.1)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
@@ -27,16 +31,35 @@ def add_args(p: argparse.ArgumentParser) -> None:
                         "GPUs), flex, or sdpa-mask (a dense mask: GPUs without triton, CPUs)")
 
 
+def _sizes(text: str) -> list[float]:
+    try:
+        sizes = [float(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected GiB as a number or a comma-separated list, got {text!r}") from None
+    if any(x <= 0 for x in sizes):
+        raise argparse.ArgumentTypeError(f"GPU sizes must be > 0 GiB, got {text!r}")
+    return sizes
+
+
 def run(args: argparse.Namespace, overrides: list[str]) -> int:
     from shardlm.config import load_config
-    from shardlm.errors import PLAN_DOES_NOT_FIT
-    from shardlm.plan import plan
+    from shardlm.errors import PLAN_DOES_NOT_FIT, ConfigError
+    from shardlm.plan import plan, plan_max
 
     cfg = load_config(args.config, overrides)
     opt = {} if args.headroom is None else {"headroom": args.headroom}
     if args.document_attention is not None:
         opt["document_attention"] = args.document_attention
-    report = plan(cfg, args.nodes * args.gpus_per_node, args.gpu_mem_gib, args.gpus_per_node, **opt,
+    sizes = args.gpu_mem_gib
+    if args.max is not None:
+        rep = plan_max(cfg, args.max, args.nodes * args.gpus_per_node, sizes, args.gpus_per_node, **opt,
+                       exact=args.exact)
+        print(rep.to_json() if args.json else rep.format())
+        return 0 if all(r.value is not None for r in rep.rows) else PLAN_DOES_NOT_FIT
+    if len(sizes) > 1:
+        raise ConfigError(f"plan: --gpu-mem-gib takes one size ({len(sizes)} given); a row of sizes goes with --max "
+                          "data.seq_len or --max train.micro_batch_size")
+    report = plan(cfg, args.nodes * args.gpus_per_node, sizes[0], args.gpus_per_node, **opt,
                   alternatives=args.alternatives, exact=args.exact)
     print(report.to_json() if args.json else report.format())
     return 0 if report.fits else PLAN_DOES_NOT_FIT

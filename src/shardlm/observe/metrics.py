@@ -27,7 +27,8 @@ PEAK_BF16_FLOPS = {
     "L40S": 362e12,
 }
 
-FIELDS = ("step", "loss", "lr", "grad_norm", "tokens_per_sec", "mfu", "mem_gib", "elapsed_s", "step_time_max_rank",
+FIELDS = ("step", "loss", "lr", "grad_norm", "tokens_per_sec", "mfu", "mem_gib", "mem_reserved_gib", "elapsed_s",
+          "step_time_max_rank",
           "step_time_spread", "time_data_s", "time_compute_s", "time_optimizer_s", "time_checkpoint_s")
 VAL_FIELDS = ("val_loss", "val_ppl", "val_bpb", "val_tokens", "val_time_s")  # on steps that evaluated
 
@@ -40,15 +41,22 @@ def peak_flops(device: torch.device) -> float | None:
     return next((v for k, v in PEAK_BF16_FLOPS.items() if k in name), None)
 
 
-def read_and_reset_peak_memory_gib(device: torch.device) -> float:
-    """Peak memory since the last call, in GiB: CUDA max allocated (then the CUDA peak counter is reset,
-    so each call measures its own interval), or on CPU the process's peak RSS (since start: never reset)."""
+def read_and_reset_peak_memory(device: torch.device) -> dict[str, float | None]:
+    """Peak memory since the last call, in GiB: `mem_gib` = CUDA max allocated and `mem_reserved_gib` = CUDA max
+    reserved (what the caching allocator took from the device: `shardlm plan`'s "reserved", the figure torchtitan
+    logs), then the CUDA peak counters are reset, so each call measures its own interval; on CPU `mem_gib` is the
+    process's peak RSS (since start: never reset) and `mem_reserved_gib` None."""
     if device.type == "cuda":
-        peak = torch.cuda.max_memory_allocated(device)
+        peak, reserved = torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device)
         torch.cuda.reset_peak_memory_stats(device)
-        return peak / 2**30
+        return {"mem_gib": peak / 2**30, "mem_reserved_gib": reserved / 2**30}
     kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
-    return kib / 2**20
+    return {"mem_gib": kib / 2**20, "mem_reserved_gib": None}
+
+
+def read_and_reset_peak_memory_gib(device: torch.device) -> float:
+    """`read_and_reset_peak_memory(device)["mem_gib"]`."""
+    return read_and_reset_peak_memory(device)["mem_gib"]
 
 
 class MetricsLogger:

@@ -76,8 +76,12 @@ from shardlm.config import Config
 from shardlm.errors import ConfigError, PlanError
 from shardlm.plan.attention import FLEX_NOTE
 from shardlm.plan.attention import resolve as resolve_attention
-from shardlm.plan.extrapolate import NotAffine, extrapolate_peak, lerp, period_of, reduced_layers
+from shardlm.parallel.dims import ParallelDims
+from shardlm.plan.device import device_terms
+from shardlm.plan.host import host_terms
+from shardlm.plan.extrapolate import NotAffine, extrapolate_peak, extrapolate_segments, lerp, period_of, reduced_layers
 from shardlm.plan.fake_step import StepMemory, fake_step, model_config
+from shardlm.plan.maxfit import KEYS, MaxReport, largest_fitting
 from shardlm.plan.report import DEFAULT_HEADROOM, GIB, Breakdown, PlanReport, Scenario
 from shardlm.plan.search import alternatives as search_alternatives
 from shardlm.plan.search import fitting_extras
@@ -102,15 +106,22 @@ def measure(cfg: Config, world_size: int, usable_bytes: int, name: str, override
             state = {k: round(v) for k, v in lerp(a.model_state, b.model_state, t).items()}
             step = StepMemory(n_layers=mc.n_layers, n_params=mc.num_params(),
                               trainable=round(a.trainable + (b.trainable - a.trainable) * t), peak=peak,
-                              model_state=state, offload=offload, phases=None)
+                              model_state=state, offload=offload, phases=None,
+                              segments=extrapolate_segments(a.segments, b.segments, a, b, mc.n_layers),
+                              offload_segments=extrapolate_segments(a.offload_segments, b.offload_segments, a, b,
+                                                                    mc.n_layers))
     if step is None:
         step = fake_step(cfg, world_size, mc, document_attention=document_attention)
     t = cfg.train
     peak = Breakdown.from_flat(step.peak)
+    hsdp = cfg.parallel.dp_replicate not in (1, "auto") and world_size > 1
+    device = device_terms(peak.total, step.reserved, world_size, hsdp)
+    offload_device = device_terms(step.offload, step.offload_reserved, world_size, hsdp)
     scen = Scenario(name=name, world_size=world_size, micro_batch_size=t.micro_batch_size, seq_len=cfg.data.seq_len,
                     grad_accum=t.grad_accum, ac=t.ac, lora_rank=cfg.lora.rank, cpu_offload=t.cpu_offload,
                     peak=peak, model_state=Breakdown.from_flat(step.model_state), offload_peak_bytes=step.offload,
-                    peak_bytes=step.offload if t.cpu_offload else peak.total, usable_bytes=usable_bytes,
+                    device=device, offload_device=offload_device,
+                    peak_bytes=(offload_device if t.cpu_offload else device).total, usable_bytes=usable_bytes,
                     seconds=time.perf_counter() - t0, overrides=dict(overrides or {}), note=note,
                     lora_base_dtype=base_dtype(cfg, "cuda") if cfg.lora.rank > 0 else "")
     return scen, step
@@ -216,10 +227,12 @@ def plan(cfg: Config, world_size: int, gpu_mem_gib: float, gpus_per_node: int = 
     reshard_note = auto_reshard_note(cfg, mc, base.peak_bytes, gpu_mem_gib, world_size)
     notes = ([dims_note] if dims_note else []) + ([reshard_note] if reshard_note else []) + \
         _notes(cfg, shape_note, backend) + ([base.note] if base.note else [])
+    shard = ParallelDims(cfg.parallel.dp_replicate, cfg.parallel.dp_shard, world_size).dp_shard
+    host = host_terms(cfg, base, min(gpus_per_node, world_size), shard)
     report = PlanReport(model=cfg.model.init_from or cfg.model.preset, n_params=step.n_params,
                         trainable_params=step.trainable, world_size=world_size, gpus_per_node=gpus_per_node,
-                        gpu_mem_gib=gpu_mem_gib, headroom=headroom, base=base, notes=notes,
-                        document_attention=f"{backend}: {why}" if cfg.data.document_mask else "")
+                        gpu_mem_gib=gpu_mem_gib, headroom=headroom, base=base, notes=notes + host.notes,
+                        document_attention=f"{backend}: {why}" if cfg.data.document_mask else "", host=host)
 
     def run(variant: Config, ws: int, name: str, overrides: dict) -> Scenario:
         return measure(variant, ws, usable, name, overrides, exact=exact, document_attention=backend)[0]
@@ -231,4 +244,35 @@ def plan(cfg: Config, world_size: int, gpu_mem_gib: float, gpus_per_node: int = 
     return report
 
 
-__all__ = ["Breakdown", "Scenario", "PlanReport", "PlanError", "plan", "measure", "GIB", "DEFAULT_HEADROOM"]
+def plan_max(cfg: Config, key: str, world_size: int, sizes_gib: list[float], gpus_per_node: int = 8,
+             headroom: float = DEFAULT_HEADROOM, exact: bool = False, document_attention: str = "auto") -> MaxReport:
+    """The largest `key` (data.seq_len or train.micro_batch_size) that fits each GPU size (`shardlm.plan.maxfit`)."""
+    if dist.is_available() and dist.is_initialized():
+        raise PlanError("plan() runs its own fake process group and must be called where no process group exists")
+    if world_size < 1 or not sizes_gib or min(sizes_gib) <= 0 or not 0 <= headroom < 1:
+        raise ConfigError(f"plan: need world_size >= 1, GPU sizes > 0 and headroom in [0, 1); got {world_size}, "
+                          f"{sizes_gib}, {headroom}")
+    try:
+        backend, _ = resolve_attention(document_attention)
+    except ValueError as e:
+        raise ConfigError(f"plan: {e}") from None
+    t0 = time.perf_counter()
+    mc, shape_note = model_config(cfg)
+    cfg, dims_note = resolve_auto(cfg, mc, world_size, gpus_per_node, min(sizes_gib))
+    cfg = resolve_reshard(cfg)
+
+    def need(variant: Config) -> int:
+        return measure(variant, world_size, 0, "max", exact=exact, document_attention=backend)[0].peak_bytes
+
+    rows, plans = largest_fitting(cfg, key, sizes_gib, headroom, need)
+    notes = [n for n in (shape_note, dims_note and f"{dims_note} (resolved for the {min(sizes_gib):g} GiB GPU)") if n]
+    notes.append(f"fits: the plan's GPU total within usable memory ({headroom:.0%} headroom); "
+                 f"{key} in steps of {KEYS[key][0]}")
+    section, name = key.split(".")
+    return MaxReport(key=key, model=cfg.model.init_from or cfg.model.preset, world_size=world_size,
+                     configured=getattr(getattr(cfg, section), name), rows=rows, plans=plans, notes=notes,
+                     seconds=time.perf_counter() - t0)
+
+
+__all__ = ["Breakdown", "Scenario", "PlanReport", "PlanError", "plan", "plan_max", "measure", "GIB",
+           "DEFAULT_HEADROOM"]

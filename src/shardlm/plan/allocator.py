@@ -7,7 +7,7 @@ are reserved memory). Then, per stream and pool, one segment grows by mapping fi
 * a request is rounded up to 512 B; up to 1 MiB it goes to the small pool (2 MiB pages), else the large pool
   (20 MiB pages, kLargeBuffer);
 * it takes the smallest free block of its stream and pool that holds it (best fit; the lowest address among
-  equals), split when the rest is worth keeping (> 1 MiB in the large pool, >= 512 B in the small one);
+  equals), split when at least 512 B are left (expandable segments split in both pools);
 * when no free block holds it, the segment maps pages at its end, joined to the last block if that is free;
 * a freed block merges with free neighbours; nothing is unmapped (a training loop calls no `empty_cache`).
 
@@ -52,7 +52,7 @@ class _Block:
 class Segment:
     """One expandable segment (one stream, one pool): address-ordered blocks from 0 to `mapped`."""
 
-    small: bool
+    small: bool  # the pool: small (2 MiB pages) or large (20 MiB pages)
     mapped: int = 0
     last: _Block | None = None
     _free: list[tuple[int, int]] = field(default_factory=list)  # (size, start), sorted: best fit by bisect
@@ -72,7 +72,7 @@ class Segment:
     def _split(self, b: _Block, size: int) -> _Block:
         """`b` (not free) keeps `size` bytes; the rest becomes a free block after it, when worth keeping."""
         rest = b.size - size
-        if rest >= MIN_BLOCK if self.small else rest > SMALL_SIZE:
+        if rest >= MIN_BLOCK:
             tail = _Block(b.start + size, rest, True, b, b.next)
             if b.next is not None:
                 b.next.prev = tail
@@ -129,6 +129,11 @@ class CachingAllocator:
     @property
     def reserved(self) -> int:
         return sum(s.mapped for s in self.segments.values())
+
+    def mapped(self) -> dict[str, int]:
+        """Bytes mapped per segment ("stream/small" or "stream/large"): never shrinking, so at the end of a replay
+        they add up to the peak reserved."""
+        return {f"{stream}/{'small' if small else 'large'}": s.mapped for (stream, small), s in self.segments.items()}
 
     def alloc(self, key: object, nbytes: int, stream: str = "compute") -> None:
         size = round_size(nbytes)

@@ -112,3 +112,27 @@ def extrapolate_peak(a: StepMemory, b: StepMemory, n_layers: int, period: int) -
     peak = {k: max(0, round(v)) for k, v in best.items() if k != "offload"}
     offload = max(0, round(max(f.get("offload", 0) for f in preds)))
     return peak, offload
+
+
+# -- the allocator's segments ------------------------------------------------------------------------
+#
+# The replayed caching allocator (`plan.allocator`) maps a segment per stream, and a segment never shrinks: the
+# reserved peak is the sum of their final sizes. The compute and reduce-scatter segments grow by the same bytes
+# per block (activations; the sharded gradients), up to the allocator's 20 MiB pages: affine in L. The
+# all-gather segment holds a few blocks' buffers in flight, whose pattern repeats every 2 blocks (FSDP's
+# implicit prefetch pairs them: with an odd L it holds one more, seen on Llama-3-8B and 70B): it is taken from
+# the shorter run of L's parity, which `reduced_layers` always includes.
+
+
+def extrapolate_segments(sa: dict[str, int], sb: dict[str, int], a: StepMemory, b: StepMemory,
+                         n_layers: int) -> dict[str, int]:
+    """Each segment's bytes for `n_layers` from the two shorter runs `a` and `b` (see above)."""
+    t = (n_layers - a.n_layers) / (b.n_layers - a.n_layers)
+    out = {}
+    for k in set(sa) | set(sb):
+        if k.startswith("all-gather/"):
+            same = [seg for run, seg in ((a, sa), (b, sb)) if (n_layers - run.n_layers) % 2 == 0]
+            out[k] = same[0].get(k, 0) if same else max(sa.get(k, 0), sb.get(k, 0))
+        else:
+            out[k] = max(0, round(sa.get(k, 0) + (sb.get(k, 0) - sa.get(k, 0)) * t))
+    return out

@@ -24,6 +24,8 @@ from shardlm.models import ModelConfig, get_preset
 from shardlm.parallel.dims import ParallelDims
 from shardlm.parallel.fsdp import clip_grad_norm_
 from shardlm.plan import attention
+from shardlm.plan.allocator import replay
+from shardlm.plan.device import cublas_workspaces
 from shardlm.plan.report import OFFLOADED, flat
 from shardlm.plan.tracker import PlanTracker, track_unmanaged
 from shardlm.train.optim import build_optimizer
@@ -43,6 +45,21 @@ class StepMemory:
     model_state: dict[str, int]
     offload: int
     phases: dict | None
+    segments: dict[str, int] | None = None  # the replayed caching allocator's segments (`plan.allocator`): bytes
+    offload_segments: dict[str, int] | None = None  # the same for what stays on the GPU under CPU offload
+
+    @property
+    def reserved(self) -> int:
+        """The peak of `torch.cuda.max_memory_reserved()`: tensors + cuBLAS workspaces + allocator gaps."""
+        return sum((self.segments or {}).values())
+
+    @property
+    def offload_reserved(self) -> int:
+        return sum((self.offload_segments or {}).values())
+
+    @property
+    def peak_total(self) -> int:
+        return self.peak["Total"]
 
 
 def model_config(cfg: Config) -> tuple[ModelConfig, str | None]:
@@ -211,16 +228,23 @@ def fake_step(cfg: Config, world_size: int, mc: ModelConfig | None = None, phase
             batches = micro_batches(run, n_micro, dev)
             tracker = PlanTracker(model, optimizer)
             tracker.phases = {} if phases else None
+            tracker.events = []
             tracker.track_inputs(tuple(batches))
             unmanaged = track_unmanaged(tracker, model)
             with tracker, attention.planned(model, attention.resolve(document_attention)[0]):
+                start = len(tracker.events)  # before: what exists when a step starts (params, optimizer state)
                 state = training_step(model, optimizer, pairs, batches, dims, run, tracker)
+            reserved = replay(cublas_workspaces() + tracker.allocations(0, start), tracker.allocations(start))
+            # under CPU offload the sharded parameters, gradients and optimizer state live in host memory
+            off_reserved = replay(cublas_workspaces() + tracker.allocations(0, start, skip=OFFLOADED),
+                                  tracker.allocations(start, skip=OFFLOADED))
             peak = flat(tracker.get_tracker_snapshot("peak"))
             offload = tracker.offload_peak or (peak["Total"] - sum(peak.get(n, 0) for n in OFFLOADED))
             out = StepMemory(n_layers=mc.n_layers, n_params=mc.num_params(), trainable=trainable, peak=peak,
                              model_state=flat(state), offload=int(offload),
                              phases=None if tracker.phases is None else
-                             {k: {**flat(snap), "offload": off} for k, (_, snap, off) in tracker.phases.items()})
+                             {k: {**flat(snap), "offload": off} for k, (_, snap, off) in tracker.phases.items()},
+                             segments=reserved.mapped(), offload_segments=off_reserved.mapped())
             for h in unmanaged:
                 h.remove()
             del model, optimizer, pairs, batches, tracker

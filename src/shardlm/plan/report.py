@@ -7,6 +7,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from shardlm.plan.device import DeviceTerms
+
 GIB = 1024**3
 DEFAULT_HEADROOM = 0.10
 
@@ -76,8 +78,10 @@ class Scenario:
     cpu_offload: bool
     peak: Breakdown  # composition at the peak
     model_state: Breakdown  # after backward, before the optimizer step
-    offload_peak_bytes: int  # the peak without sharded params/grads/optimizer state (CPU offload)
-    peak_bytes: int  # what the GPU needs: peak.total, or offload_peak_bytes with cpu_offload
+    offload_peak_bytes: int  # the tensors' peak without sharded params/grads/optimizer state (CPU offload)
+    device: DeviceTerms  # the GPU at the peak: tensors, reserved, context, NCCL (`plan.device`)
+    offload_device: DeviceTerms  # the same with train.cpu_offload (what stays on the GPU)
+    peak_bytes: int  # what the GPU needs: device.total (offload_device.total with cpu_offload)
     usable_bytes: int
     seconds: float
     overrides: dict[str, Any] = field(default_factory=dict)
@@ -96,6 +100,9 @@ class Scenario:
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
+        for k in ("device", "offload_device"):
+            terms = getattr(self, k)
+            d[k].update(cublas=terms.cublas, fragmentation=terms.fragmentation, total=terms.total)
         d["fits"], d["margin_bytes"] = self.fits, self.margin_bytes
         d["peak_gib"], d["margin_gib"] = round(gib(self.peak_bytes), 3), round(gib(self.margin_bytes), 3)
         return d
@@ -115,6 +122,7 @@ class PlanReport:
     notes: list[str] = field(default_factory=list)
     seconds: float = 0.0
     document_attention: str = ""  # with data.document_mask: "flex: why" or "sdpa-mask: why" (plan.attention)
+    host: Any = None  # plan.host.HostTerms: host memory per rank and node
 
     @property
     def fits(self) -> bool:
@@ -143,6 +151,7 @@ class PlanReport:
             "alternatives": [s.to_dict() for s in self.alternatives],
             "best_alternative": best.name if best else None, "notes": self.notes, "seconds": round(self.seconds, 2),
             "document_attention": self.document_attention or None,
+            "host": None if self.host is None else {**dataclasses.asdict(self.host), "per_node": self.host.per_node},
         }
 
     def to_json(self, indent: int | None = 1) -> str:
@@ -165,12 +174,15 @@ class PlanReport:
         ]
         for g in ("params", "grads", "optimizer", "activations", "temporaries", "comm"):
             lines.append(f"  {g:<14} {fmt_bytes(getattr(b.peak, g)):>12} {fmt_bytes(getattr(b.model_state, g)):>12}")
-        lines.append(f"  {'total':<14} {fmt_bytes(b.peak.total):>12} {fmt_bytes(b.model_state.total):>12}")
+        lines.append(f"  {'tensors':<14} {fmt_bytes(b.peak.total):>12} {fmt_bytes(b.model_state.total):>12}")
         if b.cpu_offload:
-            lines.append(f"  on the GPU with cpu_offload (estimate): {fmt_bytes(b.offload_peak_bytes)}")
+            lines.append(f"  tensors on the GPU with cpu_offload (estimate): {fmt_bytes(b.offload_peak_bytes)}")
+        lines += device_lines(b.offload_device if b.cpu_offload else b.device)
         verdict = "FITS" if b.fits else "DOES NOT FIT"
         lines += ["", f"  peak {fmt_bytes(b.peak_bytes)} of {fmt_bytes(b.usable_bytes)} usable: {verdict} "
                       f"({fmt_bytes(abs(b.margin_bytes))} {'to spare' if b.fits else 'over'})"]
+        if self.host is not None and (self.host.load or self.host.offload or self.host.staging):
+            lines += ["", *self.host.lines()]
         if self.alternatives:
             head = "also fits" if self.fits else "alternative"
             lines += ["", f"  {head:<46} {'peak':>12} {'margin':>12}  fits"]
@@ -187,6 +199,18 @@ class PlanReport:
             lines.append(f"  note: {n}")
         lines.append(f"  ({self.seconds:.1f}s)")
         return "\n".join(lines)
+
+
+def device_lines(d: DeviceTerms) -> list[str]:
+    """The GPU beyond the tensors, term by term (`plan.device`), down to what must fit."""
+    comms = f"{d.n_communicators} communicator{'s' if d.n_communicators != 1 else ''}"
+    return [f"  {'+ allocator':<14} {fmt_bytes(d.fragmentation):>12}  caching allocator replayed (expandable segments: a "
+            "segment per stream, holes between blocks)",
+            f"  {'+ cuBLAS':<14} {fmt_bytes(d.cublas):>12}  workspaces (2 handles x 32 MiB)",
+            f"  {'= reserved':<14} {fmt_bytes(d.reserved):>12}  torch.cuda.max_memory_reserved()",
+            f"  {'+ CUDA context':<14} {fmt_bytes(d.context):>12}  driver and kernels (lazy loading)",
+            f"  {'+ NCCL':<14} {fmt_bytes(d.nccl):>12}  buffers ({comms})",
+            f"  {'= on the GPU':<14} {fmt_bytes(d.total):>12}"]
 
 
 def flat(snap: dict) -> dict[str, int]:

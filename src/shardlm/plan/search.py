@@ -84,7 +84,7 @@ class Search:
 
     def offload(self, s: Scenario, name: str) -> Scenario:
         """`s` with CPU offload: no extra run, its offload peak is measured with every step."""
-        o = dataclasses.replace(s, name=name, cpu_offload=True, peak_bytes=s.offload_peak_bytes, seconds=0.0,
+        o = dataclasses.replace(s, name=name, cpu_offload=True, peak_bytes=s.offload_device.total, seconds=0.0,
                                 overrides={**s.overrides, "train.cpu_offload": True},
                                 note="estimate: sharded params, grads and optimizer state in host memory")
         self.out.append(o)

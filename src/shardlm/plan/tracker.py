@@ -1,15 +1,21 @@
-"""FSDPMemTracker, lighter, with per-phase peaks and the CPU-offload peak."""
+"""FSDPMemTracker, lighter, with per-phase peaks, the CPU-offload peak and the allocation order."""
 
 from __future__ import annotations
 
 import torch
-
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from shardlm._torch_compat import (UPDATE_PEAK_STATS, FSDPMemTracker, tracker_categories, tracker_current,
-                                   tracker_module_state, tracker_peaks, tracker_register)
+from shardlm._torch_compat import (UPDATE_PEAK_STATS, UPDATE_SNAP, FSDPMemTracker, snap_update, tracker_categories,
+                                   tracker_current, tracker_module_state, tracker_peaks, tracker_register,
+                                   winfo_bytes, winfo_category)
+from shardlm.plan.allocator import Event
 from shardlm.plan.report import OFFLOADED
+
+# Where FSDP2 (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py) allocates what the tracker labels:
+# the all-gather output on the all-gather copy-in stream; the reduce-scatter output, which becomes the sharded
+# gradient, on the reduce-scatter stream (its input on the compute stream). Everything else: the compute stream.
+STREAMS = {"All Gather": "all-gather", "Sharded Grad": "reduce-scatter"}
 
 
 class PlanTracker(FSDPMemTracker):
@@ -22,6 +28,8 @@ class PlanTracker(FSDPMemTracker):
     """
 
     offload_peak = 0
+    events: list | None = None  # when a list: (+1 / -1, storage info, bytes) of every allocation and free, in order
+    plain_grads: set  # storage records of the gradients of parameters FSDP does not manage (compute stream)
     phase = "step"  # set by `training_step`: "mb0", "mb1", "clip", "optim"
     phases: dict | None = None  # when a dict: per-phase peaks, for `extrapolate_peak` (see there)
     _offloaded_keys = tracker_categories(OFFLOADED)
@@ -53,6 +61,32 @@ class PlanTracker(FSDPMemTracker):
                 if off_all > rec[2]:
                     rec[2] = off_all
 
+    def _update_snap(self, u_type, winfo, old_mem_consumed=None, old_reftype=None):  # overrides compat.UPDATE_SNAP
+        if self.events is not None:
+            kind = snap_update(u_type)
+            if kind == "ADD":
+                self.events.append((1, winfo, winfo_bytes(winfo)))
+            elif kind == "DEL":
+                self.events.append((-1, winfo, winfo_bytes(winfo)))
+            elif kind == "SIZE":  # FSDP frees and refills unsharded storages by resizing them
+                if old_mem_consumed:
+                    self.events.append((-1, winfo, old_mem_consumed))
+                if winfo_bytes(winfo):
+                    self.events.append((1, winfo, winfo_bytes(winfo)))
+        return super()._update_snap(u_type, winfo, old_mem_consumed, old_reftype)
+
+    def allocations(self, start: int = 0, stop: int | None = None, skip: tuple[str, ...] = ()) -> list[Event]:
+        """`events[start:stop]` for `plan.allocator.replay`: each storage keyed by its record, on the stream its
+        final category says (`STREAMS`); storages whose category is in `skip` left out (CPU offload: what lives
+        in host memory)."""
+        out, plain = [], getattr(self, "plain_grads", ())
+        for kind, winfo, nbytes in self.events[start:stop]:
+            category = winfo_category(winfo)
+            if category not in skip:
+                stream = "compute" if id(winfo) in plain else STREAMS.get(category, "compute")
+                out.append((kind, id(winfo), nbytes, stream))
+        return out
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         # `tensor.device` on a fake tensor is itself an op (prim.device) and the autograd engine
         # asks it hundreds of times per block: it allocates nothing, skip the bookkeeping.
@@ -66,17 +100,22 @@ def track_unmanaged(tracker: FSDPMemTracker, model: nn.Module) -> list:
     not DTensors) as "Sharded Param", the one copy there is, and their gradients as "Sharded Grad" as they come;
     FSDPMemTracker sees only FSDP's own. Returns the hook handles (remove them when done)."""
     handles = []
+    tracker.plain_grads = plain = set()
+
+    def grad_hook(q: torch.Tensor) -> None:
+        plain.update(id(w) for w in tracker_register(tracker, q.grad, "Sharded Grad"))
+
     for p in model.parameters():
         if isinstance(p, DTensor):
             continue
         tracker_register(tracker, p, "Sharded Param")
         if p.requires_grad:
-            handles.append(p.register_post_accumulate_grad_hook(
-                lambda q: tracker_register(tracker, q.grad, "Sharded Grad")))
+            handles.append(p.register_post_accumulate_grad_hook(grad_hook))
     return handles
 
 
-assert hasattr(FSDPMemTracker, UPDATE_PEAK_STATS), "FSDPMemTracker changed: review shardlm/_torch_compat.py"
+assert hasattr(FSDPMemTracker, UPDATE_PEAK_STATS) and hasattr(FSDPMemTracker, UPDATE_SNAP), \
+    "FSDPMemTracker changed: review shardlm/_torch_compat.py"
 _PRIM_DEVICE = torch.ops.prim.device.default
 
 

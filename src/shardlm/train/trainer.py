@@ -30,7 +30,7 @@ from shardlm.distributed.env import device_type, init_distributed, restart_store
 from shardlm.errors import ConfigError, DataError, Interrupted, PreflightError, TrainingError
 from shardlm.generate import generate, prompt_ids
 from shardlm.eval.validation import Validator, best_logged
-from shardlm.observe.metrics import MetricsLogger, Throughput, peak_flops, read_and_reset_peak_memory_gib
+from shardlm.observe.metrics import MetricsLogger, Throughput, peak_flops, read_and_reset_peak_memory
 from shardlm.observe.profiler import PhaseTimer, StepProfiler
 from shardlm.observe.wandb_log import WandbLogger
 from shardlm.parallel.dims import device_memory_bytes, dp_rank, launch_topology, resolve_dims
@@ -496,7 +496,7 @@ class Trainer:
             if log_now:
                 tps, mfu = meter.measure()
                 rec = {"step": self.step, "loss": loss_v, "lr": lr, "grad_norm": res.grad_norm,
-                       "tokens_per_sec": tps, "mfu": mfu, "mem_gib": read_and_reset_peak_memory_gib(self.env.device),
+                       "tokens_per_sec": tps, "mfu": mfu, **read_and_reset_peak_memory(self.env.device),
                        "elapsed_s": time.perf_counter() - start, **self.step_times_record(), **self.timer.record(),
                        **(val or {})}
                 records.append(rec)
