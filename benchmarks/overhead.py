@@ -17,9 +17,9 @@ debug preset, fp32, seq_len 128, micro_batch_size 8, grad_accum 1) and on the sa
     lines fall where a real run has them, plus two extra lines per call, so if anything (A) is charged
     a little more than a real run pays. The LR schedule keeps the length of the whole benchmark (its
     lambda holds the original TrainSection): the schedule of one real run.
-(B) minimal: `Transformer` on meta, `fully_shard` each block then the root (same fp32
-    MixedPrecisionPolicy, same reshard_after_forward as shardlm: every block but the last, and the
-    root), `to_empty`, `init_weights`, `torch.optim.AdamW` (same lr/betas/eps/weight decay, decay on
+(B) minimal: `Transformer` on meta, `fully_shard` each block, the embedding and the head, then the root
+    (the units shardlm makes, the same fp32 MixedPrecisionPolicy and reshard_after_forward as shardlm's: every
+    block but the last, the embedding; not the head nor the root), `to_empty`, `init_weights`, `torch.optim.AdamW` (same lr/betas/eps/weight decay, decay on
     matrices only, like shardlm), then per step: fetch the batch from its PackedLoader (inside the
     timed loop), forward, F.cross_entropy mean, backward, torch.nn.utils.clip_grad_norm_ (same max
     norm), opt.step(), opt.zero_grad(). No LR schedule, no logging, no token count.
@@ -95,7 +95,10 @@ class Minimal:
         k = trainer.model.fsdp_choices.unsharded  # the last k blocks keep their parameters, as the trainer's do
         for i, block in enumerate(model.layers):
             fully_shard(block, mesh=trainer.mesh, mp_policy=mp, reshard_after_forward=i < n - k)
-        fully_shard(model, mesh=trainer.mesh, mp_policy=mp, reshard_after_forward=reshard is not False)
+        if model.lm_head is not None:  # the trainer's units: the untied embedding and the head on their own
+            fully_shard(model.embed_tokens, mesh=trainer.mesh, mp_policy=mp, reshard_after_forward=reshard is not False)
+            fully_shard(model.lm_head, mesh=trainer.mesh, mp_policy=mp, reshard_after_forward=False)
+        fully_shard(model, mesh=trainer.mesh, mp_policy=mp)
         model.to_empty(device=self.device)
         model.init_weights(seed=t.seed, shard_view=shard_view)
         self.model = model

@@ -118,7 +118,40 @@ def _worker() -> dict:
         del m, opt
     for n in names:
         setattr(dist, n, real[n])
+    out["held"] = {how: _held_in_block_backward(mesh, data[0][:1], how) for how in ("units", "old_root")}
     return out
+
+
+def _held_in_block_backward(mesh, batches, how: str) -> dict:
+    """Unsharded parameter bytes (the tracker in real mode) while block 1 runs backward: with shardlm's units
+    (apply_fsdp), and with the wrapping before them (blocks, then a root passed reshard_after_forward=True,
+    which torch honours: the root is freed after forward and gathered again for the whole backward)."""
+    from torch.distributed.fsdp import fully_shard
+
+    from shardlm.models.llama import ModelConfig, Transformer
+    from shardlm.parallel.fsdp import mp_policy, shard_view
+    from shardlm.plan.tracker import PlanTracker
+    from shardlm.train.step import forward_backward
+
+    if how == "units":
+        m = _build(mesh)
+    else:
+        cfg = ModelConfig(dim=32, n_layers=L, n_heads=4, n_kv_heads=2, vocab_size=97, ffn_dim=64, max_seq_len=32)
+        with torch.device("meta"):
+            m = Transformer(cfg)
+        for i, block in enumerate(m.layers):
+            fully_shard(block, mesh=mesh, mp_policy=mp_policy("fp32", "fp32"), reshard_after_forward=i < L - 1)
+        fully_shard(m, mesh=mesh, mp_policy=mp_policy("fp32", "fp32"), reshard_after_forward=True)
+        m.to_empty(device="cpu")
+        m.init_weights(seed=0, shard_view=shard_view)
+    tracker = PlanTracker(m)
+    tracker.phases = {}
+    with tracker:
+        forward_backward(m, batches, 1.0 / 64, torch.device("cpu"))
+    snap = next(s for (phase, bw, blocks, _), (_, s, _) in tracker.phases.items() if bw and blocks == (1,))
+    held = sum(v for d in snap.values() for k, v in d.items() if str(getattr(k, "value", k)) == "Unsharded Param")
+    root = sum(p.numel() * 4 for p in (m.embed_tokens.weight, m.lm_head.weight))  # fp32: the vocab x dim pair
+    return {"held": held, "root": root}
 
 
 @pytest.fixture(scope="module")
@@ -161,3 +194,11 @@ def test_reshard_after_forward_keeps_the_last_k_blocks(results, name, k):
     assert r["fwd_events"][0] == "ag" and r["fwd_events"][r["fwd_events"].index("head") + 1] == "ag"
     assert r["choices"].unsharded == k and r["choices"].n_blocks == L and not r["choices"].pending_auto
     assert ("auto" in r["choices"].reshard_reason) == name.startswith("auto")
+
+
+def test_embedding_and_head_are_not_held_through_the_blocks_backward(results):
+    """Measured by the tracker (real mode, 2 gloo ranks) while a middle block runs backward: the wrapping before
+    (the root resharded after forward, gathered again at the start of backward and held to its end) holds the
+    unsharded embedding and head there; shardlm's units hold neither (2 x vocab x dim less)."""
+    units, old = results["held"]["units"], results["held"]["old_root"]
+    assert old["held"] - units["held"] >= units["root"] > 0, (units, old)
