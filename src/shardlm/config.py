@@ -107,9 +107,10 @@ class ParallelSection:
     reshard_after_forward: int | bool | Literal["auto"] = _f(
         "auto", "Free each block's unsharded parameters after its forward (ZeRO-3) and all-gather them again in "
         "backward. true: every block but the last (backward needs it at once); false: none (ZeRO-2: more memory, "
-        "one all-gather less per block); N: the last N blocks keep theirs (the first N of backward); auto: on GPUs "
-        "the last N blocks whose unsharded parameters fit in 5% of the device's free memory at startup (at least "
-        "1), and 1 on CPU or with train.cpu_offload. The startup line says which N and why.")
+        "one all-gather less per block); N: the last N blocks keep theirs (the first N of backward); auto: starts as "
+        "true and, on GPUs after step 2, keeps as many more of the last blocks as fit in the memory its peak left "
+        "free (less 10% of the device), so it never needs memory that true would leave free; 1 on CPU or with "
+        "train.cpu_offload. The log says which N and why.")
     prefetch: int = _f(
         1, "Blocks whose parameters FSDP all-gathers ahead of use: 1 = FSDP2's implicit prefetch of the next block; "
         "N > 1 = explicitly the next N blocks in forward and the previous N in backward (more overlap of "

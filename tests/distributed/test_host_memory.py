@@ -24,7 +24,6 @@ from __future__ import annotations
 import os
 import threading
 import time
-from pathlib import Path
 
 import pytest
 from launch import run_ranks

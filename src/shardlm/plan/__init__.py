@@ -46,10 +46,13 @@ FSDP2 (CUDA streams, `torch.cuda.set_device`) need a CUDA runtime, and this torc
 The accounting is device independent (tensor sizes and lifetimes; FSDP2 runs the same code,
 prefetch and reduce-scatter buffers included, on either device). CUDA SDPA (flash /
 memory-efficient) keeps the same tensors as the CPU flash kernel used here (output + logsumexp).
-Not modelled: the CUDA context and cuBLAS/NCCL workspaces (~0.5-2 GiB), NCCL's internal buffers,
-the caching allocator's 512-byte rounding, fragmentation and cross-stream reuse delays, kernels'
-scratch memory. `headroom` (default
-10% of the GPU) is kept free for those.
+
+What the GPU holds beyond the tensors (`shardlm.plan.device`, each term with its source): the caching
+allocator's gaps, from a replay of the step's allocations and frees through its algorithm
+(`shardlm.plan.allocator`: expandable segments, a segment per FSDP2 stream), the cuBLAS workspaces (through the
+allocator: the two make `max_memory_reserved`), the CUDA context and NCCL's buffers. A config fits when their
+total is within the GPU less `headroom` (default 10%), kept for what is not modelled: kernels' transient
+workspaces, frees that wait on another stream, allocator corner cases. Host memory: `shardlm.plan.host`.
 
 Modelled as the trainer runs it: LoRA, AC, HSDP, train.grad_sync, fp8 (torchao float8 linears,
 emulated on the fake CPU tensors: the same float8 copies), CPU offload (the FSDP policy is applied;
@@ -75,12 +78,12 @@ from shardlm.build import base_dtype
 from shardlm.config import Config
 from shardlm.errors import ConfigError, PlanError
 from shardlm.plan.attention import FLEX_NOTE
-from shardlm.plan.attention import resolve as resolve_attention
 from shardlm.parallel.dims import ParallelDims
+from shardlm.plan.attention import resolve as resolve_attention
 from shardlm.plan.device import device_terms
-from shardlm.plan.host import host_terms
 from shardlm.plan.extrapolate import NotAffine, extrapolate_peak, extrapolate_segments, lerp, period_of, reduced_layers
 from shardlm.plan.fake_step import StepMemory, fake_step, model_config
+from shardlm.plan.host import host_terms
 from shardlm.plan.maxfit import KEYS, MaxReport, largest_fitting
 from shardlm.plan.report import DEFAULT_HEADROOM, GIB, Breakdown, PlanReport, Scenario
 from shardlm.plan.search import alternatives as search_alternatives
@@ -196,6 +199,20 @@ def _notes(cfg: Config, shape_note: str | None, attention: str) -> list[str]:
     return notes
 
 
+def _check(world_size: int, sizes_gib: list[float], headroom: float, document_attention: str) -> tuple[str, str]:
+    """The planner's arguments are usable here (else PlanError / ConfigError); the attention backend and why."""
+    if dist.is_available() and dist.is_initialized():
+        raise PlanError("plan() runs its own fake process group and must be called where no process group "
+                        "exists (not inside torchrun/a training job); call dist.destroy_process_group() first")
+    if world_size < 1 or not sizes_gib or min(sizes_gib) <= 0 or not 0 <= headroom < 1:
+        raise ConfigError(f"plan: need world_size >= 1, gpu_mem_gib > 0 and headroom in [0, 1); got "
+                          f"{world_size}, {', '.join(map(str, sizes_gib))}, {headroom}")
+    try:
+        return resolve_attention(document_attention)
+    except ValueError as e:
+        raise ConfigError(f"plan: {e}") from None
+
+
 def plan(cfg: Config, world_size: int, gpu_mem_gib: float, gpus_per_node: int = 8,
          headroom: float = DEFAULT_HEADROOM, alternatives: bool = True, exact: bool = False,
          document_attention: str = "auto") -> PlanReport:
@@ -208,17 +225,8 @@ def plan(cfg: Config, world_size: int, gpu_mem_gib: float, gpus_per_node: int = 
     `alternatives` is true, knobs are tried in their own fake runs (`shardlm.plan.search`); when it
     fits with grad_accum > 1, train.grad_sync=step is offered if it fits too.
     """
-    if dist.is_available() and dist.is_initialized():
-        raise PlanError("plan() runs its own fake process group and must be called where no process group "
-                        "exists (not inside torchrun/a training job); call dist.destroy_process_group() first")
-    if world_size < 1 or gpu_mem_gib <= 0 or not 0 <= headroom < 1:
-        raise ConfigError(f"plan: need world_size >= 1, gpu_mem_gib > 0 and headroom in [0, 1); got "
-                          f"{world_size}, {gpu_mem_gib}, {headroom}")
-    try:
-        backend, why = resolve_attention(document_attention)
-    except ValueError as e:
-        raise ConfigError(f"plan: {e}") from None
     t0 = time.perf_counter()
+    backend, why = _check(world_size, [gpu_mem_gib], headroom, document_attention)
     usable = int(gpu_mem_gib * (1 - headroom) * GIB)
     mc, shape_note = model_config(cfg)
     cfg, dims_note = resolve_auto(cfg, mc, world_size, gpus_per_node, gpu_mem_gib)
@@ -231,7 +239,7 @@ def plan(cfg: Config, world_size: int, gpu_mem_gib: float, gpus_per_node: int = 
     host = host_terms(cfg, base, min(gpus_per_node, world_size), shard)
     report = PlanReport(model=cfg.model.init_from or cfg.model.preset, n_params=step.n_params,
                         trainable_params=step.trainable, world_size=world_size, gpus_per_node=gpus_per_node,
-                        gpu_mem_gib=gpu_mem_gib, headroom=headroom, base=base, notes=notes + host.notes,
+                        gpu_mem_gib=gpu_mem_gib, headroom=headroom, base=base, notes=notes,
                         document_attention=f"{backend}: {why}" if cfg.data.document_mask else "", host=host)
 
     def run(variant: Config, ws: int, name: str, overrides: dict) -> Scenario:
@@ -247,16 +255,8 @@ def plan(cfg: Config, world_size: int, gpu_mem_gib: float, gpus_per_node: int = 
 def plan_max(cfg: Config, key: str, world_size: int, sizes_gib: list[float], gpus_per_node: int = 8,
              headroom: float = DEFAULT_HEADROOM, exact: bool = False, document_attention: str = "auto") -> MaxReport:
     """The largest `key` (data.seq_len or train.micro_batch_size) that fits each GPU size (`shardlm.plan.maxfit`)."""
-    if dist.is_available() and dist.is_initialized():
-        raise PlanError("plan() runs its own fake process group and must be called where no process group exists")
-    if world_size < 1 or not sizes_gib or min(sizes_gib) <= 0 or not 0 <= headroom < 1:
-        raise ConfigError(f"plan: need world_size >= 1, GPU sizes > 0 and headroom in [0, 1); got {world_size}, "
-                          f"{sizes_gib}, {headroom}")
-    try:
-        backend, _ = resolve_attention(document_attention)
-    except ValueError as e:
-        raise ConfigError(f"plan: {e}") from None
     t0 = time.perf_counter()
+    backend, _ = _check(world_size, sizes_gib, headroom, document_attention)
     mc, shape_note = model_config(cfg)
     cfg, dims_note = resolve_auto(cfg, mc, world_size, gpus_per_node, min(sizes_gib))
     cfg = resolve_reshard(cfg)

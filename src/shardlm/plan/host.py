@@ -17,11 +17,11 @@ ranks; an SFT store also keeps ~28 B per sample per rank), data workers (none: t
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from shardlm.config import Config
-from shardlm.plan.report import GIB, Scenario, fmt_bytes
+from shardlm.plan.report import Scenario, fmt_bytes
 
 ST_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2}
 
@@ -34,7 +34,7 @@ class HostTerms:
     load: int  # start-up, transient: the HF import
     offload: int  # train.cpu_offload: sharded parameters, gradients, optimizer state
     staging: int  # checkpoint.async: the copy async_save writes from
-    notes: list[str] = field(default_factory=list)
+    load_note: str = ""  # why the load is not planned (an HF folder without its weights here)
 
     @property
     def training(self) -> int:
@@ -52,8 +52,10 @@ class HostTerms:
         for name, value, what in (("HF load", self.load, "start-up: its share of the largest file + a slice"),
                                   ("CPU offload", self.offload, "sharded params, grads, optimizer state"),
                                   ("async save", self.staging, "the copy of what a checkpoint saves")):
+            if not value and name == "HF load" and self.load_note:
+                what, value = self.load_note, None
             out.append(f"  {'+ ' + name:<16} {fmt_bytes(value):>12}  {what}" if value else
-                       f"  {'+ ' + name:<16} {'-':>12}")
+                       f"  {'+ ' + name:<16} {'-':>12}  {what if value is None else ''}".rstrip())
         out.append(f"  {'= per node':<16} {fmt_bytes(self.per_node):>12}  (+ the processes, not planned)")
         return out
 
@@ -68,7 +70,7 @@ def hf_load_bytes(hf_dir: Path | None, shard: int) -> tuple[int, str]:
     try:
         tensors = scan_hf_weights(hf_dir)
     except Exception:  # the planner plans a preset where the folder is absent: nothing to read
-        return 0, f"HF load not planned: no safetensors in {hf_dir}"
+        return 0, f"not planned: no safetensors in {hf_dir}"
     per_file: dict[Path, int] = {}
     largest = 0
     for t in tensors.values():
@@ -94,8 +96,4 @@ def host_terms(cfg: Config, scen: Scenario, ranks_per_node: int, shard: int) -> 
             saved = grads  # the trainable shards: fp32, as many bytes as their gradients
         staging = saved + optim
     load, note = hf_load_bytes(cfg.model.hf_dir, shard)
-    return HostTerms(ranks_per_node, load, offload, staging, [note] if note else [])
-
-
-def gib(b: int) -> float:
-    return b / GIB
+    return HostTerms(ranks_per_node, load, offload, staging, note)
