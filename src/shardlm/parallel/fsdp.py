@@ -129,7 +129,7 @@ def single_copy_params(model: nn.Module, world: int, mp: MixedPrecisionPolicy, c
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh, mp: MixedPrecisionPolicy,
                reshard_after_forward: int | bool | str = True, cpu_offload: bool = False,
                prefetch: int = 1, spare_bytes: int | None = None) -> FSDPModule:
-    """Shard every block of `model.layers` as its own unit, then the root (embeddings, norm, head).
+    """Shard every block of `model.layers` as its own unit, the untied embedding and head as theirs, then the root.
 
     The last k blocks keep their parameters after forward (`unsharded_blocks`; k = 1 by default):
     backward needs them first, so resharding them would only cost an extra all-gather. With an untied head
@@ -137,12 +137,14 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, mp: MixedPrecisionPolicy,
     at the very end) and so is the head (kept from its forward to its backward, which comes first, then freed):
     neither is held while the blocks run backward (torchtitan's and torchtune's split; the root held both all
     step: 2 x vocab x dim in the compute dtype, 3.9 GiB for Llama-3-70B). A tied or LoRA-adapted head stays in
-    the root with the embedding, whose parameters torch keeps from forward to backward. `prefetch` > 1 all-gathers the next N blocks ahead (forward) and the previous N
-    (backward) instead of FSDP's implicit one. With `cpu_offload` the sharded parameters, gradients and
-    optimizer state live in (pinned) host memory between uses. Under reshard_after_forward=auto, `spare_bytes`
-    stands in for the memory the run finds free at its peak (tests; a run calls `settle_auto_reshard`). On a
-    mesh of one rank, FSDP leaves the `single_copy_params` alone. The choices are recorded on
-    `model.fsdp_choices` (the startup line prints them).
+    the root with the embedding, whose parameters torch keeps from forward to backward.
+
+    `prefetch` > 1 all-gathers the next N blocks ahead (forward) and the previous N (backward) instead of
+    FSDP's implicit one. With `cpu_offload` the sharded parameters, gradients and optimizer state live in
+    (pinned) host memory between uses. Under reshard_after_forward=auto, `spare_bytes` stands in for the memory
+    the run finds free at its peak (tests; a run calls `settle_auto_reshard`). On a mesh of one rank, FSDP
+    leaves the `single_copy_params` alone. The choices are recorded on `model.fsdp_choices` (the startup line
+    prints them).
     """
     # Pinned host memory makes the H2D copies async; there is nothing to pin for without an accelerator.
     offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload else OffloadPolicy()
