@@ -44,3 +44,7 @@ def test_nothing_fits_a_tiny_gpu_and_the_cli(capsys):
     assert "largest data.seq_len" in out and "none fits" in out
     assert main(["plan", "--gpu-mem-gib", "24,48", "--gpus-per-node", "2", *BASE]) == 2  # a row needs --max
     assert "--gpu-mem-gib takes one size" in capsys.readouterr().err
+    for bad in ("nan", "inf", "-8", "24,nan"):  # one line, exit 2: not a traceback
+        assert main(["plan", "--gpu-mem-gib", bad, *BASE]) == 2
+        err = capsys.readouterr().err
+        assert "finite numbers of GiB > 0" in err and len(err.strip().splitlines()) == 1, err

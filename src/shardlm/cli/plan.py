@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 
 TAKES_OVERRIDES = True
 
@@ -36,8 +37,8 @@ def _sizes(text: str) -> list[float]:
         sizes = [float(x) for x in text.split(",")]
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected GiB as a number or a comma-separated list, got {text!r}") from None
-    if any(x <= 0 for x in sizes):
-        raise argparse.ArgumentTypeError(f"GPU sizes must be > 0 GiB, got {text!r}")
+    if not all(math.isfinite(x) and x > 0 for x in sizes):
+        raise argparse.ArgumentTypeError(f"GPU sizes must be finite numbers of GiB > 0, got {text!r}")
     return sizes
 
 
