@@ -121,6 +121,41 @@ def test_zst_with_several_frames_is_read_to_the_end(tmp_path):
     assert _texts([f])[0] == ["a", "b"]
 
 
+@pytest.mark.parametrize("cut", [0.5, 0.9, "second frame"])
+def test_a_truncated_zst_is_a_one_line_data_error(tmp_path, cut):
+    """A .zst cut short used to read as empty or short (zstandard's stream reader stops at the cut without an
+    error), so a folder of shards became a store of a third of the documents with exit 0."""
+    f = tmp_path / "d.jsonl.zst"
+    c = zstd.ZstdCompressor()
+    whole = c.compress(b'{"text": "a"}\n' * 2000)
+    if cut == "second frame":  # the first frame whole, the second cut: the first's records must not pass alone
+        data = whole + c.compress(b'{"text": "b"}\n' * 2000)[:-10]
+    else:
+        data = whole[: int(len(whole) * cut)]
+    f.write_bytes(data)
+    with pytest.raises(DataError, match=r"d.jsonl.zst: cannot decompress .* truncated or corrupt") as e:
+        _texts([f])
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("suffix", [".parquet", ".arrow"])
+def test_a_truncated_columnar_file_is_a_one_line_data_error(tmp_path, suffix):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    f = tmp_path / f"d{suffix}"
+    table = pa.table({"text": [f"document {i} " * 20 for i in range(2000)]})
+    if suffix == ".parquet":
+        pq.write_table(table, f, row_group_size=500)
+    else:
+        with pa.ipc.new_file(f, table.schema) as w:
+            w.write_table(table, max_chunksize=500)
+    f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+    with pytest.raises(DataError) as e:
+        _texts([f])
+    assert str(f) in str(e.value) and "\n" not in str(e.value)
+
+
 def test_a_corrupt_gz_is_a_one_line_data_error(tmp_path):
     f = tmp_path / "d.jsonl.gz"
     f.write_bytes(gzip.compress(b'{"text": "a"}\n' * 100)[:-20])

@@ -17,8 +17,8 @@ A `datasets` folder (`Dataset.save_to_disk`) is read as its .arrow files, with p
 from __future__ import annotations
 
 import glob
+import contextlib
 import gzip
-import io
 import json
 import os
 import zlib
@@ -403,7 +403,7 @@ def _lines(unit: Unit) -> Iterator[bytes]:
     else:
         zstd = require("zstandard", "data", "reading .jsonl.zst files")
         errors = (OSError, EOFError, zstd.ZstdError)
-        opened = _zstd_lines(zstd, open(path, "rb"))
+        opened = contextlib.closing(_split_lines(_zstd_chunks(zstd, open(path, "rb"))))
     try:
         with opened as lines:
             yield from lines
@@ -412,9 +412,33 @@ def _lines(unit: Unit) -> Iterator[bytes]:
                         f"corrupt: fix or remove it") from None
 
 
-def _zstd_lines(zstd, fh: BinaryIO) -> io.BufferedReader:
-    """The decompressed .zst file, streamed (every frame), as a line-iterable buffered reader."""
-    return io.BufferedReader(zstd.ZstdDecompressor().stream_reader(fh, read_across_frames=True, closefd=True))
+def _zstd_chunks(zstd, fh: BinaryIO, size: int = 1 << 20) -> Iterator[bytes]:
+    """The decompressed bytes of every frame of a .zst file, in order. A file that ends inside a frame is an
+    error (EOFError): zstandard's stream reader returns what it could decode and stops without a word."""
+    with fh:
+        d, fed = zstd.ZstdDecompressor().decompressobj(), False
+        while chunk := fh.read(size):
+            while chunk:
+                out = d.decompress(chunk)
+                fed = True
+                if out:
+                    yield out
+                chunk = d.unused_data if d.eof else b""
+                if d.eof:  # a frame ended: the rest of this chunk starts the next one
+                    d, fed = zstd.ZstdDecompressor().decompressobj(), False
+        if fed and not d.eof:
+            raise EOFError("the file ends inside a zstd frame")
+
+
+def _split_lines(chunks: Iterator[bytes]) -> Iterator[bytes]:
+    """Lines (newline kept) of a stream of byte chunks."""
+    rest = b""
+    for chunk in chunks:
+        *whole, rest = (rest + chunk).split(b"\n")
+        for line in whole:
+            yield line + b"\n"
+    if rest:
+        yield rest
 
 
 def _pylist(unit: Unit, text_field: str | None) -> list:
