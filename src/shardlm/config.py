@@ -229,6 +229,10 @@ class DataSection:
     document_mask: bool = _f(
         False, "Packed documents do not see each other: positions (RoPE) restart at each document, attention stays "
         "within it, and the target across a boundary is dropped.")
+    verify: bool = _f(
+        False, "Recompute the token stores' sha256 checksums at start (the first rank of each node reads every byte "
+        "once): a damaged copy stops with one line. Without it, every micro-batch's ids are still checked against "
+        "the model's vocabulary (cheap).")
 
 
 @dataclass
@@ -251,8 +255,9 @@ class MetricsSection:
 class EvalSection:
     interval: int = _f(0, "Evaluate the validation loss every N optimizer steps; 0 = never in the loop. The set is "
                        "data.val_path, or the val/ of the store data.path names.")
-    max_tokens: int = _f(0, "Evaluate this many target tokens of the validation set (its first windows, always "
-                         "the same ones); 0 = the whole set. Text only: an SFT set is always whole.")
+    max_tokens: int = _f(0, "Evaluate this many tokens' worth of the validation set: its first max_tokens // "
+                         "data.seq_len rows (windows of text, packed or padded rows of SFT samples), always the same "
+                         "ones; 0 = the whole set.")
     at_end: bool = _f(True, "Evaluate once more after the last step (when there is validation data).")
     micro_batch_size: int = _f(0, "Rows per evaluation forward; 0 = train.micro_batch_size.")
 

@@ -237,3 +237,25 @@ def test_units_are_sized_from_the_input_only(tmp_path):
     with open(big, "wb") as f:
         f.truncate(640 << 20)  # sparse: 640 MiB -> units of 10 MiB
     assert S.auto_chunk_bytes([big]) == 10 << 20 and PrepareSpec([big], "bytes", "bytes-v1").chunk_bytes == 10 << 20
+
+
+@pytest.mark.parametrize("verify", [False, True])
+def test_damaged_store_bytes_stop_training_with_one_line(tmp_path, capsys, verify):
+    """Token ids past the vocabulary (bytes damaged after the manifest was written) used to end in an IndexError
+    traceback (a device-side assert on CUDA); every micro-batch is now checked, and data.verify=true runs the
+    store's checksums before training starts."""
+    _corpus(tmp_path / "src", n=60)
+    prepare(_spec(tmp_path / "src"), tmp_path / "s", workers=1, log=lambda _: None)
+    tokens = tmp_path / "s" / "tokens.bin"
+    n = tokens.stat().st_size // 2  # uint16 ids (the byte tokenizer)
+    tokens.write_bytes((1000).to_bytes(2, "little") * n)  # same size: opens; every id >= the debug model's 320
+    rc = main(["train", "--model.preset=debug", f"--data.path=store:{tmp_path / 's'}", "--data.seq_len=32",
+               "--train.micro_batch_size=2", "--train.steps=1", f"--train.output_dir={tmp_path / 'run'}",
+               "--metrics.progress_bar=false", "--checkpoint.save_final=false", f"--data.verify={str(verify).lower()}"])
+    err = capsys.readouterr().err
+    assert rc == 4 and "Traceback" not in err, err  # DataError
+    line = next(ln for ln in err.splitlines() if ln.startswith("shardlm: error"))
+    if verify:
+        assert "tokens.bin does not match its checksum" in line, err
+    else:
+        assert "token id 1000" in line and "outside the model's vocabulary (0..319)" in line, err

@@ -126,6 +126,9 @@ def open_stores(cfg, tokenizer: Tokenizer, log: Callable[[str], None] = print,
             spec = files_spec(path, tokenizer, cfg.tokenizer_spec(), text_field, d.format)
             store = ensure_cached_store(spec, cache, workers=d.prepare_workers, max_bad_fraction=d.max_bad_fraction,
                                         log=log, wait_log=wait_log)
+        if d.verify and os.environ.get("LOCAL_RANK", "0") == "0":  # one reader per node's copy
+            log(f"data: verifying {store.path} (data.verify: sha256 of every file)")
+            store.verify()
         if d.format == "sft" and store.documents == 0:
             raise DataError(f"no SFT records found in {path} (each record must be one of {SHAPES})")
         if store.n_tokens == 0:
@@ -141,7 +144,10 @@ def open_val_store(cfg, tokenizer: Tokenizer, log: Callable[[str], None] = print
     d = cfg.data
     if d.val_path:
         if is_store(d.val_path):
-            return _open_store(cfg, d.val_path, tokenizer, "data.val_path")
+            store = _open_store(cfg, d.val_path, tokenizer, "data.val_path")
+            if d.verify and os.environ.get("LOCAL_RANK", "0") == "0":
+                store.verify()
+            return store
         cache = Path(d.cache_dir) if d.cache_dir else default_cache_dir()
         spec = files_spec(d.val_path, tokenizer, cfg.tokenizer_spec(), d.text_field, d.format)
         return ensure_cached_store(spec, cache, workers=d.prepare_workers, max_bad_fraction=d.max_bad_fraction,

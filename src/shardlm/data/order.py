@@ -199,6 +199,22 @@ class SampleOrder:
         self.samples_seen = int(state["samples_seen"])
 
 
+def check_ids(inputs: torch.Tensor, labels: torch.Tensor, vocab_size: int, source: str, samples_seen: int) -> None:
+    """DataError when a token id is outside the vocabulary (labels may also be IGNORE_INDEX, -100): damaged store
+    bytes would otherwise index past the embedding (an IndexError on a CPU, a device-side assert that kills a
+    GPU job with no message). Two reductions over a micro-batch on the host."""
+    lo, hi = int(inputs.min()), int(inputs.max())
+    targets = labels[labels != -100]
+    if targets.numel():
+        lo, hi = min(lo, int(targets.min())), max(hi, int(targets.max()))
+    if lo < 0 or hi >= vocab_size:
+        bad = lo if lo < 0 else hi
+        raise DataError(f"token id {bad} in the batch after sample {samples_seen:,} of {source} is outside the model's "
+                        f"vocabulary (0..{vocab_size - 1}): the store's bytes are damaged or it was prepared for "
+                        "another tokenizer; check it with `shardlm prepare --verify DIR` (or data.verify=true) and "
+                        "prepare it again")
+
+
 class RowLoader:
     """What the trainer uses of a loader, over a `SampleOrder`; a loader implements `rows(ids)`.
 
@@ -206,6 +222,9 @@ class RowLoader:
     this rank; `state_dict()`/`load_state_dict()` (tensors: a `Stateful` for DCP), `samples_seen`,
     `global_batch`, `n_rows` (rows of seq_len in one epoch).
     """
+
+    vocab_size: int = 0  # when set: every micro-batch's ids are checked against it (`check_ids`)
+    source: str = "the token store"  # named in that check's error
 
     def __init__(self, order: SampleOrder):
         self.order = order
@@ -215,7 +234,11 @@ class RowLoader:
         raise NotImplementedError
 
     def next_step(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        return [self.rows(ids) for ids in self.order.rows_for_step()]
+        batches = [self.rows(ids) for ids in self.order.rows_for_step()]
+        if self.vocab_size:
+            for b in batches:
+                check_ids(b[0], b[1], self.vocab_size, self.source, self.samples_seen)
+        return batches
 
     @property
     def n_rows(self) -> int:

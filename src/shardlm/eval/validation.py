@@ -1,8 +1,8 @@
 """Validation loss in the training loop: one fixed set, one number, the same on any number of ranks.
 
-The set: the validation store's rows, in order, never shuffled. Text: the `seq_len` windows of its token stream
-(the first `eval.max_tokens` target tokens' worth of them, or all), with document masks when the run uses them;
-SFT: its samples packed (or padded) as training packs them, answer tokens only. Rows are dealt round-robin over
+The set: the validation store's rows, in order, never shuffled (the first `eval.max_tokens // seq_len` of them,
+or all). Text: the `seq_len` windows of its token stream, with document masks when the run uses them; SFT: its
+samples packed (or padded) as training packs them, answer tokens only. Rows are dealt round-robin over
 the data-parallel ranks (every rank of the mesh: FSDP and HSDP alike); a rank with fewer rows runs forwards on a
 padding row (no targets) so that every rank makes the same FSDP all-gathers.
 
@@ -28,7 +28,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from shardlm.data.order import IGNORE_INDEX
+from shardlm.data.order import IGNORE_INDEX, check_ids
 from shardlm.errors import DataError
 
 
@@ -41,7 +41,7 @@ class Validator:
         from shardlm.data.sft import SFTLoader, SFTSamples
 
         d, e = cfg.data, cfg.eval
-        self.device, self.dp_rank, self.dp_size = device, dp_rank, dp_size
+        self.device, self.dp_rank, self.dp_size, self.path = device, dp_rank, dp_size, store.path
         self.mbs = e.micro_batch_size or cfg.train.micro_batch_size
         self.loss_chunk_tokens = cfg.train.loss_chunk_tokens  # as training: never the full fp32 logits
         self.seq_len = L = d.seq_len
@@ -49,7 +49,7 @@ class Validator:
         if store.kind == "sft":
             self.rows_of = SFTLoader(SFTSamples.from_store(store), L, 1, 1, 0, 1, shuffle=False, pack=d.pack,
                                      pad_id=tokenizer.eos_id, document_mask=d.document_mask)
-            n_rows = self.rows_of.n_rows
+            n_rows = self.rows_of.n_rows if not e.max_tokens else max(1, min(self.rows_of.n_rows, e.max_tokens // L))
             self.bytes = None
         else:
             n_windows = PackedLoader.windows(store.tokens, L)
@@ -90,7 +90,10 @@ class Validator:
         nll = torch.zeros((), dtype=torch.float64)
         count = 0
         try:
+            vocab = getattr(getattr(model, "cfg", None), "vocab_size", 0)
             for batch in self._batches():
+                if vocab:  # damaged validation bytes: one line, not a device-side assert
+                    check_ids(batch[0], batch[1], vocab, f"the validation store {self.path}", 0)
                 x, y, *pos = (b.to(self.device, non_blocking=True) for b in batch)
                 loss = model(x, *pos, labels=y, loss_chunk_tokens=self.loss_chunk_tokens)
                 nll += loss.double().cpu()

@@ -356,8 +356,12 @@ class Trainer:
         self.checkpointer.save(self.step, final=final, blocking=blocking)
 
     def build_data(self):
-        return build_loader(self.cfg, self.tokenizer, dp_rank(self.mesh), self.dims.dp, log=self.log,
-                            stores=self.stores)
+        loader, meta = build_loader(self.cfg, self.tokenizer, dp_rank(self.mesh), self.dims.dp, log=self.log,
+                                    stores=self.stores)
+        # every micro-batch's ids against the model's vocabulary: damaged store bytes stop with one line
+        loader.vocab_size = self.model_cfg.vocab_size
+        loader.source = ", ".join(str(s.path) for s in self.stores)
+        return loader, meta
 
     def train_step(self, batches: list[Batch], stop_requested: bool = False) -> StepResult:
         """One optimizer step over `grad_accum` micro-batches (see `forward_backward` for the loss).
