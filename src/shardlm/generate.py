@@ -9,7 +9,7 @@ gives each token its own position and keeps padding unread). Prompts are grouped
 time, longest first (less padding); the results come back in the order given.
 
 Choosing the next token, per row, on the host in fp32: greedy (argmax, the first of equal maxima, as
-`transformers` does) when `temperature <= 0`; else logits / temperature, then top-k, then top-p (the
+`transformers` does) when `temperature == 0`; else logits / temperature, then top-k, then top-p (the
 smallest set of tokens whose probability reaches top_p; `transformers`' warpers, in that order), then a
 draw from a generator seeded by (seed, the prompt's index). So a prompt's sample depends on the seed and
 its place in the list, not on the batch size or its neighbours. A row stops at the first stop id (it is
@@ -41,19 +41,20 @@ Message = dict[str, str]
 class Sampling:
     """How the next token is chosen (see the module docstring)."""
 
-    temperature: float = 0.0  # <= 0: greedy
+    temperature: float = 0.0  # 0: greedy
     top_k: int = 0  # 0: off
     top_p: float = 1.0  # 1: off
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.top_k < 0 or not 0.0 < self.top_p <= 1.0 or self.temperature != self.temperature:
-            raise ValueError(f"sampling needs top_k >= 0, 0 < top_p <= 1 and a number for temperature; got "
+        # a negative temperature used to be taken as greedy: a setting that silently did something else
+        if self.top_k < 0 or not 0.0 < self.top_p <= 1.0 or not 0.0 <= self.temperature < float("inf"):
+            raise ValueError(f"sampling needs top_k >= 0, 0 < top_p <= 1 and a temperature >= 0 (0 = greedy); got "
                              f"top_k={self.top_k}, top_p={self.top_p}, temperature={self.temperature}")
 
     @property
     def greedy(self) -> bool:
-        return self.temperature <= 0
+        return self.temperature == 0
 
     def describe(self) -> str:
         if self.greedy:

@@ -213,3 +213,15 @@ def test_byte_tokenizer_export_says_no_tokenizer_is_written(tmp_path, capsys):
     assert json.loads((out / "config.json").read_text())["eos_token_id"] == 256
     assert json.loads((out / "generation_config.json").read_text())["eos_token_id"] == 256
     assert not any((out / n).exists() for n in ("tokenizer.json", "tokenizer_config.json"))
+
+
+def test_lora_flags_that_cannot_apply_are_one_line(base, tmp_path, capsys):
+    """--merge-lora or --adapter-only on a checkpoint without adapters, or both at once, used to be accepted (the
+    first two doing nothing): each is one line, exit 2, and nothing is written."""
+    _, _, ck = base
+    for flags, words in ((["--merge-lora"], "holds no LoRA adapters"), (["--adapter-only"], "holds no LoRA adapters"),
+                         (["--merge-lora", "--adapter-only"], "opposite exports")):
+        rc, out = _convert(ck, tmp_path / "x", *flags, capsys=capsys)
+        lines = [ln for ln in out.splitlines() if ln.strip()]
+        assert rc == 2 and len(lines) == 1 and words in lines[0], out
+        assert not (tmp_path / "x").exists()

@@ -150,6 +150,9 @@ def test_top_k_and_top_p_are_transformers_warpers():
     assert top_k_filter(logits, 0) is logits and top_p_filter(logits, 1.0) is logits
     with pytest.raises(ValueError, match="top_p"):
         Sampling(temperature=1.0, top_p=0.0)
+    for t in (-1.0, float("inf"), float("nan")):  # -1 used to mean greedy, silently
+        with pytest.raises(ValueError, match="temperature >= 0"):
+            Sampling(temperature=t)
 
 
 def test_prompts_are_encoded_as_in_training():

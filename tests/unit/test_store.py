@@ -116,6 +116,19 @@ def test_validation_split_is_by_content_disjoint_and_complete(tmp_path, monkeypa
     assert sep.documents == len(texts) and docs(sep.val()) == ["held out"]
 
 
+def test_a_validation_split_larger_than_training_is_a_warning(tmp_path, capsys):
+    """--val-fraction 0.999 used to leave a store of a few training documents without a word."""
+    _corpus(tmp_path / "src", n=60)
+    capsys.readouterr()
+    prepare(_spec(tmp_path / "src", val_fraction=0.2, seed=1), tmp_path / "ok", workers=1, log=lambda _: None)
+    assert "warning" not in capsys.readouterr().err
+    store = prepare(_spec(tmp_path / "src", val_fraction=0.999, seed=1), tmp_path / "s", workers=1,
+                    log=lambda _: None)
+    err = capsys.readouterr().err
+    assert f"--val-fraction 0.999 left {store.documents} documents for training and put {store.val().documents} in " \
+           "validation" in err, err
+
+
 def test_existing_outputs_are_never_overwritten(tmp_path):
     _corpus(tmp_path / "src", n=30)
     logs: list[str] = []

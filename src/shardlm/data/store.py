@@ -565,6 +565,11 @@ def prepare(spec: PrepareSpec, out: Path, *, workers: int = 0, max_bad_fraction:
            if store.val() is not None else ""))
     if line := bad.line():
         print(f"shardlm: warning: {line}", file=sys.stderr, flush=True)
+    held_out = store.val()
+    if spec.val_fraction > 0 and held_out is not None and held_out.documents > store.documents:
+        print(f"shardlm: warning: --val-fraction {spec.val_fraction:g} left {store.documents:,} {docs} for training "
+              f"and put {held_out.documents:,} in validation; a validation split is usually 0.001-0.05",
+              file=sys.stderr, flush=True)
     return store
 
 

@@ -508,6 +508,13 @@ def export_checkpoint(checkpoint_dir: str | os.PathLike, out: str | os.PathLike,
     if tokenizer_dir is not None and not Path(tokenizer_dir).exists():
         raise ConfigError(f"--tokenizer {tokenizer_dir}: no such file or folder")
     meta = CheckpointMeta.load(ck)
+    if merge_lora and adapter_only:
+        raise ConfigError("--merge-lora and --adapter-only ask for opposite exports: the adapters folded into the "
+                          "weights (an HF model) or the adapters alone (a peft folder); pass one")
+    if (merge_lora or adapter_only) and meta.lora is None:
+        flag = "--merge-lora" if merge_lora else "--adapter-only"
+        raise ConfigError(f"{flag}: {ck} holds no LoRA adapters (a full fine-tune or pre-training run); drop the flag "
+                          "to export its weights")
     if adapter_only:
         base = str(meta.hf_dir) if meta.hf_dir is not None else None
         return {"kind": "peft", "config": export_peft_adapter(ck, out, dtype="fp32", base_model_name_or_path=base,
