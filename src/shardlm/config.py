@@ -450,7 +450,7 @@ def _coerce_one(dotted: str, base: Any, value: Any, from_string: bool) -> Any:
         return _coerce_tables(dotted, typing.get_args(base)[0], value, from_string)
     if typing.get_origin(base) is list:  # list[str]: a TOML array, or comma-separated on the command line
         if from_string and isinstance(value, str):
-            value = [v.strip() for v in value.split(",") if v.strip()]
+            value = _string_list(value)
         if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
             raise ConfigError(f"{dotted} expects a list of strings (TOML array or a,b,c), got {value!r}")
         return value
@@ -502,9 +502,27 @@ def _coerce_tables(dotted: str, cls: type, value: Any, from_string: bool) -> lis
     return out
 
 
+def _string_list(text: str) -> list[str]:
+    """A list typed on the command line, in any of the forms users type: a,b / [a,b] / ["a", "b"] / ['a','b']."""
+    text = text.strip()
+    if text.startswith("[") and text.endswith("]"):
+        text = text[1:-1]
+    items = [v.strip() for v in text.split(",")]
+    return [v[1:-1] if len(v) >= 2 and v[0] == v[-1] and v[0] in "'\"" else v for v in items if v]
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
 def _source_entry(dotted: str, item: str) -> dict[str, str]:
     parts = item.strip().rsplit(":", 2)
-    numeric = [p for p in parts[1:] if p.replace(".", "", 1).isdigit()]
+    # anything float() reads is meant as a weight (or epochs), -1 and nan too: their check then names them
+    numeric = [p for p in parts[1:] if _is_number(p)]
     if len(parts) == 1 or not numeric:
         return {"path": item.strip()}
     if len(parts) == 3 and len(numeric) == 2:

@@ -157,3 +157,21 @@ def test_seq_len_beyond_a_pretrained_context_warns_naming_both(tmp_path):
     warned = []  # a model trained from scratch has no pretrained context to exceed
     build_model_config(load_config(None, ["--data.seq_len=1024"]), 257, warn=warned.append)
     assert warned == []
+
+
+@pytest.mark.parametrize("typed", ["q_proj,v_proj", "[q_proj,v_proj]", '["q_proj", "v_proj"]', "['q_proj','v_proj']",
+                                   "[ q_proj , v_proj ]"])
+def test_list_keys_take_the_forms_users_type(typed):
+    """`--lora.targets=[q_proj,v_proj]` used to become the targets '[q_proj' and 'v_proj]'."""
+    assert load_config(None, [f"--lora.targets={typed}"]).lora.targets == ["q_proj", "v_proj"]
+
+
+@pytest.mark.parametrize("weight, words", [("-1", "must be > 0, got -1"), ("nan", "must be a finite number"),
+                                           ("inf", "must be a finite number"), ("0", "must be > 0")])
+def test_a_bad_source_weight_names_the_weight(weight, words):
+    """`--data.sources=a.jsonl:-1` used to say "data.path 'a.jsonl:-1' does not exist"."""
+    with pytest.raises(ConfigError, match=f"data.sources.0.weight {words}") as e:
+        load_config(None, [f"--data.sources=a.jsonl:{weight}"])
+    assert "does not exist" not in str(e.value)
+    cfg = load_config(None, ["--data.sources=a.jsonl:1e-3,store:/x/y:2:1.5"])
+    assert [(s.path, s.weight, s.epochs) for s in cfg.data.sources] == [("a.jsonl", 0.001, None), ("store:/x/y", 2.0, 1.5)]
