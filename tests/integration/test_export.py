@@ -225,3 +225,71 @@ def test_lora_flags_that_cannot_apply_are_one_line(base, tmp_path, capsys):
         lines = [ln for ln in out.splitlines() if ln.strip()]
         assert rc == 2 and len(lines) == 1 and words in lines[0], out
         assert not (tmp_path / "x").exists()
+
+
+CHATML = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+
+
+def _chat_base(out: Path) -> tuple[Path, int]:
+    """A tiny llama whose tokenizer ends turns with <|im_end|> (a chat template in chat_template.jinja, as
+    transformers 5 saves it) and which answers any prompt with <|im_end|>."""
+    from tokenizers import AddedToken, Tokenizer
+
+    from shardlm.assets.debug_hf import make_tokenizer
+
+    out.mkdir(parents=True)
+    make_tokenizer(out)
+    tok = Tokenizer.from_file(str(out / "tokenizer.json"))
+    tok.add_special_tokens([AddedToken("<|im_end|>", special=True)])
+    tok.save(str(out / "tokenizer.json"))
+    tc = json.loads((out / "tokenizer_config.json").read_text())
+    del tc["chat_template"]
+    (out / "tokenizer_config.json").write_text(json.dumps(tc))
+    (out / "chat_template.jinja").write_text(CHATML)
+    im_end, eos = tok.token_to_id("<|im_end|>"), tok.token_to_id("<|endoftext|>")
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=tok.get_vocab_size(), hidden_size=64, intermediate_size=128,
+                                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                   max_position_embeddings=256, tie_word_embeddings=False, eos_token_id=eos)
+    model = transformers.LlamaForCausalLM(cfg).float()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        model.model.embed_tokens.weight[:, 0] = 10.0
+        model.model.norm.weight.fill_(1.0)
+        model.lm_head.weight.zero_()
+        model.lm_head.weight[im_end, 0] = 1.0
+    model.save_pretrained(out, safe_serialization=True)
+    return out, im_end
+
+
+def test_a_chat_export_keeps_its_template_and_stops_at_the_end_of_a_turn(tmp_path, capsys):
+    """`convert dcp-to-hf` used to drop chat_template.jinja (apply_chat_template then failed on the export) and to
+    leave the template's end-of-turn token out of eos_token_id (transformers' generate ran past every answer)."""
+    from transformers import AutoTokenizer
+
+    from shardlm.config import load_config
+    from shardlm.generate import generate_batch
+    from shardlm.inference import load_for_inference
+    from shardlm.interop.hf.import_ import import_hf_to_dcp
+
+    hf, im_end = _chat_base(tmp_path / "chat")
+    ck = tmp_path / "ck"
+    import_hf_to_dcp(hf, ck)
+    rc, said = _convert(ck, tmp_path / "out", "--dtype", "fp32", capsys=capsys)
+    assert rc == 0, said
+    assert (tmp_path / "out" / "chat_template.jinja").read_text() == CHATML
+    cfg = json.loads((tmp_path / "out" / "config.json").read_text())
+    gen = json.loads((tmp_path / "out" / "generation_config.json").read_text())
+    assert im_end in cfg["eos_token_id"] and im_end in gen["eos_token_id"], (cfg, gen)
+    messages = [{"role": "user", "content": "What does os.path.join do?"}]
+    prompt = AutoTokenizer.from_pretrained(tmp_path / "out").apply_chat_template(messages, add_generation_prompt=True,
+                                                                                  tokenize=True)
+    prompt = list(prompt["input_ids"] if isinstance(prompt, dict) or hasattr(prompt, "keys") else prompt)
+    theirs = _generated(tmp_path / "out", prompt)
+    inf = load_for_inference(checkpoint=ck, cfg=load_config(None, ["--train.device=cpu",
+                                                                   "--train.mixed_precision=fp32"]))
+    [ours] = generate_batch(inf.model, [prompt], MAX_NEW, stop_ids=inf.stop_ids)
+    assert theirs == ours.ids == [im_end], (theirs, ours.ids)  # both stop after the end-of-turn token

@@ -44,7 +44,10 @@ from shardlm.lora import peft_adapter_config, to_peft_state_dict
 from shardlm.models.llama import ModelConfig
 
 OUT_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model")
+# Every tokenizer file transformers may save (5.x writes the chat template to chat_template.jinja): an export copies
+# each one the source folder has; a folder counts as a tokenizer folder if it has one of the first three.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                   "chat_template.jinja", "chat_template.json", "added_tokens.json", "vocab.json", "merges.txt")
 GENERATION_CONFIG = "generation_config.json"
 ADAPTER_FILES = ("adapter_model.safetensors", "adapter_config.json")
 # What an export folder may hold: a folder holding anything else is not replaced (it is not an export).
@@ -121,7 +124,7 @@ def tokenizer_files(tokenizer_dir: str | os.PathLike | None) -> list[str]:
         return []
     src = Path(tokenizer_dir)
     found = [n for n in TOKENIZER_FILES if (src / n).is_file()]
-    if not found:
+    if not any(n in found for n in TOKENIZER_FILES[:3]):
         raise ConfigError(f"tokenizer folder {str(src)!r} holds none of {', '.join(TOKENIZER_FILES[:3])}; "
                           "pass the folder with --tokenizer DIR")
     return found
@@ -253,7 +256,7 @@ def _with_eos(eos: Any, train_eos: int | None) -> Any:
 def special_ids(base_cfg: Mapping[str, Any] | None, tokenizer_dir: Path | None, byte_tokenizer: bool) -> dict:
     """`{"bos_token_id", "eos_token_id", "pad_token_id"}` (those known) for an exported config.json: the
     base model's where it has them, else the tokenizer's; EOS always includes the id the run trained as
-    end-of-text (what makes `generate` stop)."""
+    end-of-text and the chat template's end-of-turn tokens (what makes `generate` stop after an answer)."""
     ids: dict[str, Any] = {k: base_cfg[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")
                            if base_cfg and base_cfg.get(k) is not None}
     train_eos = None
@@ -279,7 +282,15 @@ def special_ids(base_cfg: Mapping[str, Any] | None, tokenizer_dir: Path | None, 
         for k, v in (("bos_token_id", bos), ("pad_token_id", pad)):
             if v is not None:
                 ids.setdefault(k, v)
+        from shardlm.data.chat import ChatTemplate
+
+        template = ChatTemplate.from_dir(tokenizer_dir)  # its end-of-turn tokens end an answer too
+        turn_ends = [vocab[m] for m in (template.end_markers if template is not None else []) if m in vocab]
+    else:
+        turn_ends = []
     eos = _with_eos(ids.get("eos_token_id"), train_eos)
+    for t in turn_ends:  # so transformers' generate stops where shardlm's does, at the end of an answer
+        eos = _with_eos(eos, t)
     if eos is not None:
         ids["eos_token_id"] = eos
     return ids
