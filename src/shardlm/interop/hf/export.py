@@ -259,7 +259,7 @@ def special_ids(base_cfg: Mapping[str, Any] | None, tokenizer_dir: Path | None, 
     end-of-text and the chat template's end-of-turn tokens (what makes `generate` stop after an answer)."""
     ids: dict[str, Any] = {k: base_cfg[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")
                            if base_cfg and base_cfg.get(k) is not None}
-    train_eos = None
+    train_eos, turn_ends = None, []
     if byte_tokenizer:
         from shardlm.data.tokenizer import ByteTokenizer
 
@@ -286,8 +286,6 @@ def special_ids(base_cfg: Mapping[str, Any] | None, tokenizer_dir: Path | None, 
 
         template = ChatTemplate.from_dir(tokenizer_dir)  # its end-of-turn tokens end an answer too
         turn_ends = [vocab[m] for m in (template.end_markers if template is not None else []) if m in vocab]
-    else:
-        turn_ends = []
     eos = _with_eos(ids.get("eos_token_id"), train_eos)
     for t in turn_ends:  # so transformers' generate stops where shardlm's does, at the end of an answer
         eos = _with_eos(eos, t)
