@@ -75,6 +75,9 @@ TORCH_VARS = (
         "new one for CUDA (pytorch#183387)", "[NEMO] [pytorch#183387]"),
 )
 
+# On a CPU (gloo): NCCL and the CUDA allocator are not there; the flight recorder is (shardlm's watchdog dumps it).
+CPU_VARS = tuple(v for v in TORCH_VARS if v.name in ("TORCH_FR_BUFFER_SIZE", "TORCH_FR_DUMP_TEMP_FILE"))
+
 # Another name of the same torch setting: set by you, it counts as set (torch reads the first of a pair, so
 # ours would silently override yours).
 ALIASES = {
@@ -151,7 +154,8 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (
         "leave NCCL_P2P_LEVEL and NCCL_P2P_DISABLE unset: they move traffic off NVLink [nccl-tests#228]",
         "'Failed to bind NVLink SHARP (NVLS) Multicast memory' means a broken Fabric Manager: env.set "
         "NCCL_NVLS_ENABLE=0 [NCCL-src]")),
-    Preset("cpu", "no GPU (gloo): only the torch side is set, which is harmless on CPU", TORCH_VARS, CHECKED),
+    Preset("cpu", "no GPU (gloo): only the flight recorder, which the watchdog dumps on a hang; NCCL and CUDA "
+           "variables mean nothing here", CPU_VARS, CHECKED),
     Preset("none", "sets nothing: the environment as launched (env.set still applies)", (), "-"),
 )}
 
@@ -595,7 +599,9 @@ def _record(report: EnvReport, environ: MutableMapping[str, str], out_dir: str) 
     else:
         environ.pop(MARKER, None)
     traces = os.path.join(out_dir, "comm_traces")
-    if any(v.startswith(traces + os.sep) for v in report.set.values()):
+    # torch writes there itself on an NCCL timeout (it does not make the folder); the watchdog makes it when it
+    # dumps (gloo): no empty folder in a CPU run
+    if "TORCH_NCCL_DUMP_ON_TIMEOUT" in report.set and any(v.startswith(traces + os.sep) for v in report.set.values()):
         try:
             os.makedirs(traces, exist_ok=True)
         except OSError as e:

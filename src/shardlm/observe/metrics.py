@@ -93,9 +93,12 @@ class MetricsLogger:
                     self.tb.add_scalar(f"val/{k[4:]}" if k.startswith("val_") else f"train/{k}", v, record["step"])
         parts = [f"step {record['step']:>6}"]
         if "loss" in record:
-            mfu = "n/a" if record["mfu"] is None else f"{100 * record['mfu']:.1f}%"
             parts += [f"loss {record['loss']:.4f}", f"lr {record['lr']:.2e}", f"gnorm {record['grad_norm']:.3f}",
-                      f"{record['tokens_per_sec']:,.0f} tok/s", f"mfu {mfu}", f"mem {record['mem_gib']:.2f} GiB"]
+                      f"{record['tokens_per_sec']:,.0f} tok/s"]
+            if record["mfu"] is not None:  # none on a CPU or a GPU without a known peak (said once at start)
+                parts.append(f"mfu {100 * record['mfu']:.1f}%")
+            reserved = record.get("mem_reserved_gib")
+            parts.append(f"mem {record['mem_gib']:.2f} GiB" + (f" ({reserved:.2f} reserved)" if reserved else ""))
         if "val_loss" in record:
             bpb = f" bpb {record['val_bpb']:.4f}" if record.get("val_bpb") is not None else ""
             parts.append(f"val_loss {record['val_loss']:.4f} ppl {record['val_ppl']:.2f}{bpb} "

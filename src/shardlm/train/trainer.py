@@ -433,6 +433,8 @@ class Trainer:
         meter = Throughput(self.model_cfg.flops_per_token(self.cfg.data.seq_len), peak_flops(self.env.device),
                            self.env.world_size)
         self.announce(tokens_per_step)
+        if self.env.device.type == "cuda" and meter.peak is None:
+            self.log(f"mfu: not reported: no peak bf16 FLOP/s known for {torch.cuda.get_device_name(self.env.device)}")
         if self.step >= t.steps:
             self.log(f"nothing to do: the checkpoint is at step {self.step} and train.steps={t.steps}; "
                      "raise train.steps to train further")
