@@ -6,6 +6,7 @@ from __future__ import annotations
 import gzip
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -222,6 +223,33 @@ def test_the_cache_prepares_once_others_wait_and_a_dead_holder_is_taken_over(tmp
     assert not S._Lock(other).remove_if_stale()
     os.utime(other, (time.time() - S.LOCK_STALE_S - 5,) * 2)
     assert S._Lock(other).remove_if_stale() and not other.exists()
+
+
+def test_a_second_prepare_into_one_out_stops_with_one_line_and_leaves_the_first_ones_work(tmp_path, capsys):
+    _corpus(tmp_path / "src", n=30)
+    spec, out = _spec(tmp_path / "src"), tmp_path / "store"
+    lock = tmp_path / ".store.prepare.lock"
+    # a live prepare (this process stands in for it) holds OUT and has written part of its work
+    lock.write_text(json.dumps({"host": S._host(), "pid": os.getpid(), "pid_start": S._proc_start(os.getpid())}))
+    work = S._partial_dir(out) / "parts"
+    work.mkdir(parents=True)
+    (work / "train-000000.json").write_text("being written")
+    with pytest.raises(ConfigError, match=f"another shardlm prepare \\({S._host()} pid {os.getpid()}\\) is writing "
+                                          f"{out}; wait for it"):
+        prepare(spec, out, workers=1, log=lambda _: None)
+    assert (work / "train-000000.json").read_text() == "being written" and lock.exists() and not out.exists()
+    # the CLI: one line, exit 2
+    assert main(["prepare", str(tmp_path / "src"), str(out), "--workers", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "another shardlm prepare" in err and "Traceback" not in err
+    # that prepare dies: its lock is taken over (its parts, of the same inputs, are resumed)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    lock.write_text(json.dumps({"host": S._host(), "pid": dead.pid}))
+    shutil.rmtree(S._partial_dir(out))
+    logs: list[str] = []
+    assert prepare(spec, out, workers=1, log=logs.append).documents == 30
+    assert logs[0] == f"prepare: took over {out} from a prepare that is gone" and not lock.exists()
 
 
 def test_abandoned_preparations_in_the_cache_are_removed_after_a_day_others_kept(tmp_path):

@@ -473,6 +473,27 @@ def prepare(spec: PrepareSpec, out: Path, *, workers: int = 0, max_bad_fraction:
         return store
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ConfigError(f"{out} exists and is not a token store; pass a new or empty OUT_DIR")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    lock = _Lock(out.parent / f".{out.name}.prepare.lock")  # two prepares of one OUT would share temp names
+    if not lock.try_acquire():
+        if lock.remove_if_stale():
+            log(f"prepare: took over {out} from a prepare that is gone")
+        if not lock.try_acquire():
+            h = lock.holder() or {}
+            raise ConfigError(f"another shardlm prepare ({h.get('host', '?')} pid {h.get('pid', '?')}) is writing "
+                              f"{out}; wait for it to finish (a second run then finds the store), or pass another "
+                              "OUT_DIR")
+    try:
+        if (out / MANIFEST).is_file():  # the one we waited on finished it
+            return prepare(spec, out, workers=workers, max_bad_fraction=max_bad_fraction, log=log)
+        return _prepare_locked(spec, out, key, workers=workers, max_bad_fraction=max_bad_fraction, log=log,
+                               progress=progress)
+    finally:
+        lock.release()
+
+
+def _prepare_locked(spec: PrepareSpec, out: Path, key: str, *, workers: int, max_bad_fraction: float,
+                    log: Callable[[str], None], progress: bool | None) -> TokenStore:
     tok = load_tokenizer(spec.tokenizer)
     dtype = token_dtype(tok.vocab_size)
     work = _partial_dir(out)
