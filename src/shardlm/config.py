@@ -286,9 +286,9 @@ class CheckpointSection:
     save_final: bool = _f(True, "Save a checkpoint when training ends.")
     dir: str = _f("", "Checkpoint folder; empty = <train.output_dir>/checkpoints.")
     allow_changed: list[str] = _f(
-        [], "Fields a resume may change on purpose (e.g. lora.dropout, tokenizer): a resume compares the "
-        "checkpoint's model shape, LoRA setup and tokenizer with the run's and stops, naming each difference, "
-        "unless the field is listed here.")
+        [], "Fields a resume may change on purpose (e.g. lora.dropout, tokenizer, data): a resume compares the "
+        "checkpoint's model shape, LoRA setup, tokenizer and training data (each source's content) with the "
+        "run's and stops, naming each difference, unless the field is listed here.")
     preempt_grace_s: float = _f(
         25.0, "On SIGTERM or Ctrl-C every rank finishes its step, saves and exits 0 (Ctrl-C: 130); past this many "
         "seconds it gives up (exit 1; Ctrl-C: 130) and the last complete checkpoint stands. Keep it under "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import time
 from pathlib import Path
@@ -191,6 +192,16 @@ def checkpoint_safety(tmp: str, corpus: str) -> dict:
         out["allowed"] = start(base(steps=6, **{"model.n_layers": 2, "checkpoint.allow_changed": "model.n_layers",
                                                 "train.output_dir": str(tmp / "allowed"),
                                                 "checkpoint.resume": str(ckdir / "step-6")})).resumed_from.name
+        # Changed data: a document appended to the raw file after the save. The saved position would mean other
+        # samples: one line naming the source's old and new content, unless checkpoint.allow_changed=data.
+        grown = tmp / "grown.txt"
+        shutil.copy(corpus, grown)
+        dc = dict(steps=2, **{"data.path": str(grown), "checkpoint.interval": 2})
+        start(base("dc", **dc), train=True)
+        with open(grown, "a") as f:
+            f.write("\n\nOne more document, appended after the checkpoint was saved.\n")
+        errors["data"] = fails(base("dc", **dc))
+        out["data_allowed"] = start(base("dc", **dc, **{"checkpoint.allow_changed": "data"})).resumed_from.name
         # One run per folder: a second Trainer while the first holds the folder stops at once.
         live = Trainer(base(steps=6))
         errors["locked"] = fails(base(steps=6))
@@ -259,6 +270,12 @@ def test_checkpoint_safety(tmp_path, corpus):
     assert "checkpoint.resume=none" in e["shape"] and "--checkpoint.allow_changed=model.n_layers" in e["shape"]
     assert out["after_mismatch"] == ["step-4", "step-6"] and out["config_kept"]
     assert out["allowed"] == "step-6" and "model.n_layers changed from 4 to 2 (checkpoint.allow_changed)" in log
+    # Changed data: the source, its old and new counts and content hash, and the switch that allows it.
+    assert e["data"].startswith("ConfigError: ") and "data: checkpoint '" in e["data"], e["data"]
+    assert e["data"].count(str(tmp_path / "grown.txt")) == 2 and "--checkpoint.allow_changed=data" in e["data"]
+    old, new = (int(n.replace(",", "")) for n in re.findall(r"(\d[\d,]*) tokens", e["data"]))
+    assert new > old and len(set(re.findall(r"sha256 (\w+)", e["data"]))) == 2
+    assert out["data_allowed"] == "step-2" and "resuming with data changed from" in log
     # The lock names its holder; released at the end.
     assert "is in use by another run (host " in e["locked"] and f"pid {os.getpid()}" not in e["locked"]
     assert out["lock_released"]

@@ -147,3 +147,44 @@ def test_a_save_that_died_mid_swap_gets_its_checkpoint_back(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-2", "step-4"]
     assert (tmp_path / "step-4" / ".metadata").read_text() == "complete"
     assert len(said) == 3 and any("restored step-4" in s for s in said)
+
+
+def test_resume_check_names_the_data_source_whose_content_changed(tmp_path):
+    """A source of the mixture swapped for another of the same size, or a file that grew: one line with both
+    contents and the switch; the same content under another path of the cache is no change."""
+    from shardlm.checkpoint.lineage import RECORD_FILE, Record
+    from shardlm.checkpoint.meta import data_changes
+    from shardlm.errors import ConfigError
+
+    a = {"source": "a.jsonl", "documents": 600, "tokens": 60_000, "sha256": "aaaa"}
+    b = {"source": "b.jsonl", "documents": 300, "tokens": 30_000, "sha256": "bbbb"}
+    swapped = {"source": "c.jsonl", "documents": 300, "tokens": 30_000, "sha256": "cccc"}
+    cfg = load_config(None, [])
+    ck = _saved(tmp_path, cfg)
+    (ck / RECORD_FILE).write_text(Record("a", 3, 1, info={"data": [a, b]}).to_json())
+
+    def check(data, allow=""):
+        c = load_config(None, [f"--checkpoint.allow_changed={allow}"] if allow else [])
+        from shardlm.checkpoint import Checkpointer
+
+        said: list[str] = []
+        Checkpointer(c.checkpoint, c.checkpoint.dir, 1, None, None, {}, log=said.append,
+                     meta=CheckpointMeta.from_config(c, get_preset("debug")), info={"data": data}).check(ck)
+        return said
+
+    with pytest.raises(ConfigError, match=r"\(data: checkpoint 'source 2 b.jsonl: 300 documents, 30,000 tokens, "
+                                          r"sha256 bbbb', this run 'source 2 c.jsonl: 300 documents, 30,000 tokens, "
+                                          r"sha256 cccc'\).*--checkpoint.allow_changed=data$"):
+        check([a, swapped])
+    with pytest.raises(ConfigError, match=r"data: checkpoint '2 source\(s\) \[a.jsonl.*; b.jsonl.*\]', this run "
+                                          r"'1 \[a.jsonl"):
+        check([a])
+    assert check([a, b]) == []  # the same data
+    assert check([a, swapped], allow="data") == [
+        "checkpoint: resuming with data changed from 'source 2 b.jsonl: 300 documents, 30,000 tokens, sha256 bbbb' "
+        "to 'source 2 c.jsonl: 300 documents, 30,000 tokens, sha256 cccc' (checkpoint.allow_changed)"]
+    # a checkpoint of an older version recorded no data: nothing to compare
+    assert data_changes(None, [a]) is None and data_changes([a], [dict(a)]) is None
+    grown = dict(a, tokens=60_100, sha256="dddd")
+    assert data_changes([a], [grown]) == ("a.jsonl: 600 documents, 60,000 tokens, sha256 aaaa",
+                                          "a.jsonl: 600 documents, 60,100 tokens, sha256 dddd")

@@ -10,7 +10,7 @@ It is written as `<dir>/.step-N.partial/` and renamed to `step-N` by rank 0 only
 written the metadata, i.e. after every rank's shards are on disk. Anything named `.step-*` is
 therefore incomplete: `resume=auto` ignores it and rank 0 deletes it.
 
-Before loading, the checkpoint's recorded model shape, LoRA setup and tokenizer are compared with
+Before loading, the checkpoint's recorded model shape, LoRA setup, tokenizer and data are compared with
 the run's: a difference is a ConfigError naming each field (never a fallback, never corruption).
 `resume=auto` loads the newest checkpoint of the folder's current lineage and falls back along it
 past any that cannot be loaded for reasons of its own (missing or truncated shard, unreadable
@@ -231,7 +231,7 @@ class Checkpointer:
         """ConfigError when `path` was saved by a different model, LoRA setup or tokenizer than this run's."""
         if self.meta is None:
             return
-        from shardlm.checkpoint.meta import CheckpointMeta, resume_changes
+        from shardlm.checkpoint.meta import CheckpointMeta, data_changes, resume_changes
 
         try:
             saved = CheckpointMeta.load(path)
@@ -242,6 +242,8 @@ class Checkpointer:
         old_tok = rec.info.get("tokenizer") if rec is not None else None
         if isinstance(old_tok, dict) and tok and old_tok.get("sha256") != tok.get("sha256"):
             changes["tokenizer"] = (old_tok.get("spec"), tok.get("spec"))
+        if (data := data_changes(rec.info.get("data") if rec is not None else None, self.info.get("data"))):
+            changes["data"] = data  # another content: the saved data position would mean other samples
         allowed = set(self.cfg.allow_changed)
         bad = {k: v for k, v in changes.items() if k not in allowed}
         if bad:

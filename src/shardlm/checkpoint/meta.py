@@ -226,7 +226,31 @@ _LORA_FIELDS = ("rank", "alpha", "dropout", "targets", "adapters_only", "train_e
                 "base_dtype")
 #: Names `checkpoint.allow_changed` accepts: what `resume_changes` can report.
 CHANGEABLE = tuple(f"model.{f.name}" for f in dataclasses.fields(ModelConfig) if f.name != "max_seq_len") + \
-    tuple(f"lora.{f}" for f in _LORA_FIELDS) + ("tokenizer",)
+    tuple(f"lora.{f}" for f in _LORA_FIELDS) + ("tokenizer", "data")
+
+
+def data_changes(saved: list | None, run: list | None) -> tuple[str, str] | None:
+    """(checkpoint's, this run's) description of the training data where the sources' content differs, or
+    None. Each side is `run_info()["data"]`: per source (in order) its config path, documents, tokens and
+    content sha256. A checkpoint that recorded none (older versions) is not compared."""
+    if not isinstance(saved, list) or not isinstance(run, list):
+        return None
+
+    def describe(d: dict) -> str:
+        return (f"{d.get('source')}: {d.get('documents', 0):,} documents, {d.get('tokens', 0):,} tokens, "
+                f"sha256 {d.get('sha256')}")
+
+    keys = ("source", "documents", "tokens", "sha256")
+    if len(saved) != len(run):
+        return (f"{len(saved)} source(s) [{'; '.join(describe(d) for d in saved)}]",
+                f"{len(run)} [{'; '.join(describe(d) for d in run)}]")
+    diff = [i for i, (a, b) in enumerate(zip(saved, run))
+            if not isinstance(a, dict) or any(a.get(k) != b.get(k) for k in keys)]
+    if not diff:
+        return None
+    which = (lambda i: f"source {i + 1} ") if len(run) > 1 else (lambda i: "")
+    return ("; ".join(which(i) + (describe(saved[i]) if isinstance(saved[i], dict) else "?") for i in diff),
+            "; ".join(which(i) + describe(run[i]) for i in diff))
 
 
 def resume_changes(saved: CheckpointMeta, run: CheckpointMeta) -> dict[str, tuple[Any, Any]]:

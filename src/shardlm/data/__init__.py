@@ -16,6 +16,7 @@ from typing import Any
 
 _WHERE = {
     "MixtureLoader": "loader", "PackedLoader": "loader", "build_loader": "loader", "open_stores": "loader",
+    "source_list": "loader",
     "IGNORE_INDEX": "order", "RowLoader": "order", "SampleOrder": "order",
     "builtin_files": "sources", "resolve_files": "sources",
     "TokenStore": "store", "prepare": "store",

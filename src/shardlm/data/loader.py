@@ -84,7 +84,7 @@ class MixtureLoader(RowLoader):
 
 # -- text data: token stores --------------------------------------------------------------------------------
 
-def _source_list(cfg) -> list[tuple[str, float, float | None, str]]:
+def source_list(cfg) -> list[tuple[str, float, float | None, str]]:
     """(path, weight, epochs, text_field) of data.path or of each [[data.sources]] entry."""
     d = cfg.data
     if not d.sources:
@@ -116,7 +116,7 @@ def open_stores(cfg, tokenizer: Tokenizer, log: Callable[[str], None] = print,
     d = cfg.data
     cache = Path(d.cache_dir) if d.cache_dir else default_cache_dir()
     stores = []
-    for path, _, _, text_field in _source_list(cfg):
+    for path, _, _, text_field in source_list(cfg):
         if is_store(path):
             store = _open_store(cfg, path, tokenizer)
             if d.format == "text" and store.manifest.get("text_field") != text_field and text_field != "text":
@@ -169,7 +169,7 @@ def build_text_loader(cfg, stores: list[TokenStore], dp_rank: int, dp_size: int,
 
     if not d.sources:
         return packed(stores[0])
-    sources = _source_list(cfg)
+    sources = source_list(cfg)
     names = [Path(p).name or p for p, *_ in sources]
     n_rows = [PackedLoader.windows(s.tokens, d.seq_len) for s in stores]
     for name, n in zip(names, n_rows):

@@ -98,6 +98,13 @@ class TokenStore:
     def n_tokens(self) -> int:
         return int(self.manifest["tokens"])
 
+    def identity(self) -> dict:
+        """What the samples are, for a checkpoint to compare on resume: the counts and one sha256 over the
+        manifest's file checksums (the content, not the path or the files' times)."""
+        sums = self.manifest.get("sha256") or {}
+        digest = hashlib.sha256(json.dumps(sums, sort_keys=True).encode()).hexdigest()[:16] if sums else None
+        return {"documents": self.documents, "tokens": self.n_tokens, "sha256": digest}
+
     @classmethod
     def open(cls, path: str | Path) -> TokenStore:
         """Open and check a store: a missing or foreign manifest, a truncated or resized file is one line."""

@@ -19,7 +19,7 @@ from shardlm.checkpoint import Checkpointer
 from shardlm.checkpoint.lineage import current_lineage, tokenizer_fingerprint
 from shardlm.checkpoint.meta import CheckpointMeta
 from shardlm.config import Config
-from shardlm.data import MixtureLoader, build_loader, load_tokenizer, open_stores
+from shardlm.data import MixtureLoader, build_loader, load_tokenizer, open_stores, source_list
 from shardlm.data.loader import IGNORE_INDEX, open_val_store
 from shardlm.data.store import is_store
 from shardlm.models.llama import document_attention_backend
@@ -300,7 +300,9 @@ class Trainer:
     def run_info(self) -> dict:
         """Facts each checkpoint.json records (checkpoint/lineage.py)."""
         return {"world_size": self.env.world_size, "global_batch": self.loader.global_batch,
-                "tokenizer": tokenizer_fingerprint(self.cfg.tokenizer_spec())}
+                "tokenizer": tokenizer_fingerprint(self.cfg.tokenizer_spec()),
+                "data": [{"source": src, **store.identity()} for (src, *_), store in zip(source_list(self.cfg),
+                                                                                      self.stores)]}
 
     def lr_anchor(self):
         """Where the LR decay restarts after a resume that changed train.steps (see optim.lr_factor)."""
