@@ -57,6 +57,13 @@ class PreflightError(ShardlmError):
     exit_code = 9
 
 
+class StorageError(ShardlmError):
+    """A disk is full or over quota, or a file hit the size limit (ENOSPC, EDQUOT, EFBIG): the line names
+    the folder, its disk's free space and what was needed (shardlm/disk.py)."""
+
+    exit_code = 10
+
+
 class Interrupted(ShardlmError):
     """Ctrl-C (SIGINT): `interrupted at step N; last complete checkpoint step-M`, printed as
     `shardlm: <that>` (not as an error)."""
@@ -75,4 +82,5 @@ EXIT_CODES = {0: "success (`shardlm plan`: the config fits)", 1: "other shardlm 
               PlanError.exit_code: "the planner cannot run here",
               CommError.exit_code: "a peer rank died or a collective timed out (the line names step, phase, rank)",
               PreflightError.exit_code: "parallel.preflight=strict: a rank is more than 20% slower than the median",
+              StorageError.exit_code: "a disk is full or over quota, or a file hit the size limit (ulimit -f)",
               Interrupted.exit_code: "interrupted (Ctrl-C)"}

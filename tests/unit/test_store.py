@@ -6,6 +6,7 @@ from __future__ import annotations
 import gzip
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -250,6 +251,54 @@ def test_a_second_prepare_into_one_out_stops_with_one_line_and_leaves_the_first_
     logs: list[str] = []
     assert prepare(spec, out, workers=1, log=logs.append).documents == 30
     assert logs[0] == f"prepare: took over {out} from a prepare that is gone" and not lock.exists()
+
+
+def _prepare_cli(args: list[str], capsys, fsize: int | None = None) -> tuple[int, str]:
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    try:
+        if fsize is not None:
+            resource.setrlimit(resource.RLIMIT_FSIZE, (fsize, hard))
+        rc = main(["prepare", *args, "--workers", "1"])
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    return rc, capsys.readouterr().err
+
+
+def _big_corpus(d: Path) -> Path:
+    """~3 MB of text in 12 files (12 units at chunk 1 MiB): the byte tokenizer's store is ~6 MB (uint16)."""
+    d.mkdir()
+    for i in range(12):
+        (d / f"{i:02d}.txt").write_text("".join(f"line {i}.{j}: " + "abcdefghij" * 8 + "\n" for j in range(3000)))
+    return d
+
+
+def test_a_file_size_limit_in_prepare_is_one_line_and_the_rerun_continues(tmp_path, capsys):
+    src, out = _big_corpus(tmp_path / "src"), tmp_path / "store"
+    rc, err = _prepare_cli([str(src), str(out)], capsys, fsize=1 << 20)
+    assert rc == 10 and err.count("\n") == 1 and "Traceback" not in err, err
+    assert err.startswith(f"shardlm: error: prepare {out}: a file in {tmp_path} hit the file-size limit (ulimit -f: "
+                          "1.05 MB"), err
+    assert f"the finished parts in {tmp_path / '.store.partial'} are kept" in err and not out.exists()
+    rc, err = _prepare_cli([str(src), str(out)], capsys)
+    assert rc == 0 and TokenStore.open(out).documents == 12
+
+
+def test_a_full_disk_in_prepare_names_the_disk_and_the_space_needed(tmp_path, capsys, small_disk):
+    src, out = _big_corpus(tmp_path / "src"), small_disk.path / "store"
+    small_disk.resize(4)  # some parts fit, not all of them (~6 MB), nor the store joined from them
+    rc, err = _prepare_cli([str(src), str(out)], capsys)
+    assert rc == 10 and err.count("\n") == 1 and "Traceback" not in err, err
+    assert err.startswith(f"shardlm: error: prepare {out}: the disk of {small_disk.path} is full ({small_disk.path}: "
+                          ), err
+    need = float(re.search(r"needed ~([\d.]+) MB", err).group(1))
+    assert 8 < need < 20, err  # parts + the store joined from them: ~2 x 6 MB
+    parts = sorted((small_disk.path / ".store.partial" / "parts").glob("*.json"))
+    assert parts and not (small_disk.path / ".store.partial" / "store").exists()
+    small_disk.resize(32)
+    rc, err = _prepare_cli([str(src), str(out)], capsys)
+    assert rc == 0 and TokenStore.open(out).documents == 12
 
 
 def test_abandoned_preparations_in_the_cache_are_removed_after_a_day_others_kept(tmp_path):

@@ -306,8 +306,49 @@ class Checkpointer:
             self._pending = (fut, tmp, final)
             return
         t0 = time.perf_counter()
-        dcp.save(state, checkpoint_id=str(tmp))
-        self._publish(tmp, final, time.perf_counter() - t0)
+        try:
+            dcp.save(state, checkpoint_id=str(tmp))
+            self._publish(tmp, final, time.perf_counter() - t0)
+        except BaseException as e:  # DCP's CheckpointException is a BaseException
+            self._failed_save(e, tmp, final)
+            raise
+
+    def _failed_save(self, exc: BaseException, tmp: Path, final: Path) -> None:
+        """A save that failed for a full disk, a quota or a file-size limit: remove its partial folder (what
+        filled the disk; rank 0, which every rank's DCP error reaches) and raise one line naming the disk, the
+        size of one checkpoint and the checkpoint that stands. Other failures: nothing (the caller re-raises)."""
+        from shardlm.disk import disk_cause, disk_error
+
+        cause = disk_cause(exc, self.folder, written=tmp)  # before the partial goes (it shows the limit hit)
+        if cause is None and self.rank != 0 and isinstance(exc, CheckpointException) and not tmp.exists():
+            import errno  # rank 0 saw the same failed save first, found the disk full and removed the partial
+
+            cause = OSError(errno.ENOSPC, "the disk is full (as rank 0 found)")
+        if cause is None:
+            return
+        if self.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        stands = lineage.current_lineage(self.folder)
+        after = (f"the partial {tmp.name} was removed; the last complete checkpoint {stands[0].name} stands"
+                 if stands else f"the partial {tmp.name} was removed; no complete checkpoint stands yet")
+        raise disk_error(exc, self.folder, f"checkpoint {final.name}", needed=self.checkpoint_bytes(), after=after,
+                         cause=cause) from None
+
+    def checkpoint_bytes(self) -> int | None:
+        """Bytes of one full checkpoint (all ranks): the model's and the optimizer's state, as saved."""
+        if self.model is None:
+            return None
+        total = 0
+        for p in self.model.parameters():
+            if self.options.ignore_frozen_params and not p.requires_grad:
+                continue
+            total += p.numel() * p.element_size()
+        if self.optimizer is not None:
+            for st in self.optimizer.state.values():
+                for v in st.values():
+                    if isinstance(v, torch.Tensor):
+                        total += v.numel() * v.element_size()  # a DTensor: its global size
+        return total
 
     def poll(self) -> None:
         """Publish an async save that has finished (cheap; call once per step)."""
@@ -321,8 +362,12 @@ class Checkpointer:
         fut, tmp, final = self._pending
         self._pending = None
         t0 = time.perf_counter()
-        fut.result()
-        self._publish(tmp, final, time.perf_counter() - t0, waited=True)
+        try:
+            fut.result()
+            self._publish(tmp, final, time.perf_counter() - t0, waited=True)
+        except BaseException as e:  # DCP's CheckpointException is a BaseException
+            self._failed_save(e, tmp, final)
+            raise
 
     def _publish(self, tmp: Path, final: Path, seconds: float, waited: bool = False) -> None:
         """Rank 0 makes the finished checkpoint visible (atomic rename), then prunes old ones."""

@@ -124,6 +124,14 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:  # Ctrl-C anywhere else: nothing to save
         _report("shardlm: interrupted")
         return Interrupted.exit_code
+    except OSError as e:  # a full disk where no writer named it: still one line, naming the file's disk
+        from shardlm.disk import DISK_ERRNOS, from_oserror
+
+        if e.errno not in DISK_ERRNOS:
+            raise
+        err = from_oserror(e)
+        _report(f"shardlm: error: {err}")
+        return err.exit_code
 
 
 __all__ = ["COMMANDS", "Parser", "build_parser", "main"]

@@ -490,17 +490,41 @@ def prepare(spec: PrepareSpec, out: Path, *, workers: int = 0, max_bad_fraction:
             raise ConfigError(f"another shardlm prepare ({h.get('host', '?')} pid {h.get('pid', '?')}) is writing "
                               f"{out}; wait for it to finish (a second run then finds the store), or pass another "
                               "OUT_DIR")
+    state: dict = {}
     try:
         if (out / MANIFEST).is_file():  # the one we waited on finished it
             return prepare(spec, out, workers=workers, max_bad_fraction=max_bad_fraction, log=log)
         return _prepare_locked(spec, out, key, workers=workers, max_bad_fraction=max_bad_fraction, log=log,
-                               progress=progress)
+                               progress=progress, state=state)
+    except OSError as e:
+        from shardlm.disk import disk_error
+
+        work = _partial_dir(out)
+        shutil.rmtree(work / "store", ignore_errors=True)  # a half-joined store: rebuilt from the parts
+        err = disk_error(e, out.parent, f"prepare {out}", needed=_store_estimate(work, state.get("jobs", [])),
+                         after=f"the finished parts in {work} are kept: the same prepare continues from them")
+        if err is None:
+            raise
+        raise err from None
     finally:
         lock.release()
 
 
+def _store_estimate(work: Path, jobs: list) -> int | None:
+    """Bytes a prepare of `jobs` needs on its disk: its parts (scaled from the bytes per input byte of the parts
+    finished so far) and the store they are joined into. None before a part is finished."""
+    parts = work / "parts"
+    if not parts.is_dir():
+        return None
+    finished = [j for j in jobs if (parts / f"{j[2]}-{j[0]:06d}.json").is_file()]
+    written = sum(f.stat().st_size for j in finished for f in parts.glob(f"{j[2]}-{j[0]:06d}.*"))
+    done_in = sum(_unit_bytes(u) for j in finished for u in j[1])
+    total_in = sum(_unit_bytes(u) for j in jobs for u in j[1])
+    return int(2 * written * total_in / done_in) if written and done_in else None
+
+
 def _prepare_locked(spec: PrepareSpec, out: Path, key: str, *, workers: int, max_bad_fraction: float,
-                    log: Callable[[str], None], progress: bool | None) -> TokenStore:
+                    log: Callable[[str], None], progress: bool | None, state: dict) -> TokenStore:
     tok = load_tokenizer(spec.tokenizer)
     dtype = token_dtype(tok.vocab_size)
     work = _partial_dir(out)
@@ -527,6 +551,7 @@ def _prepare_locked(spec: PrepareSpec, out: Path, key: str, *, workers: int, max
     todo = [j for j in jobs if (j[2], j[0]) not in done]
     if done:
         log(f"prepare: resuming {work}: {len(done)} of {len(jobs)} parts already done")
+    state["jobs"] = jobs  # for the space estimate of a full disk
     todo_bytes = sum(_unit_bytes(u) for j in todo for u in j[1])
     by_size = -(-todo_bytes // POOL_BYTES_PER_WORKER)  # small inputs: fewer processes (1 = no pool at all)
     workers = max(1, min(workers or os.cpu_count() or 1, len(todo) or 1, by_size or 1))

@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -22,7 +23,7 @@ import time
 import uuid
 from pathlib import Path
 
-from shardlm.errors import ConfigError
+from shardlm.errors import ConfigError, ShardlmError
 
 LOCK_FILE = ".shardlm.lock"
 HEARTBEAT_S = 30.0  # the holder touches its lock this often
@@ -50,8 +51,9 @@ def _alive(pid: int, start: str | None) -> bool:
 class RunLock:
     """One run per folder: `acquire()` on rank 0 before anything is written there; `release()` at the end."""
 
-    def __init__(self, folder: Path, log=print, what: str = "train.output_dir"):
+    def __init__(self, folder: Path, log=print, what: str = "train.output_dir", make_room=None):
         self.folder, self.log, self.what = Path(folder), log, what
+        self.make_room = make_room  # called once, holding the lock, when the disk is too full to write it
         self.path = self.folder / LOCK_FILE
         self.me = {"host": socket.gethostname(), "pid": os.getpid(), "pid_start": _proc_start(os.getpid()),
                    "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "token": uuid.uuid4().hex}
@@ -66,15 +68,31 @@ class RunLock:
                 self._take_over_or_fail()
                 continue
             except OSError as e:
-                raise ConfigError(f"{self.what} {str(self.folder)!r} is not writable ({e.strerror or e}); fix its "
-                                  f"permissions or mount, or point {self.what} at a writable folder") from None
-            with os.fdopen(fd, "w") as f:
-                json.dump(self.me, f)
+                raise _unwritable(e, self.folder, self.what) from None
+            try:
+                self._write(fd)
+            except OSError as e:
+                # A full disk. The O_EXCL create made the lock ours: clear what a dead run left, then write again;
+                # failing that, no empty lock is left behind (it would look like a live run's).
+                if self.make_room is None or e.errno not in (errno.ENOSPC, errno.EDQUOT):
+                    self.path.unlink(missing_ok=True)
+                    raise _unwritable(e, self.folder, self.what) from None
+                self.make_room()
+                try:
+                    self._write(os.open(self.path, os.O_WRONLY | os.O_TRUNC))
+                except OSError as e2:
+                    self.path.unlink(missing_ok=True)
+                    raise _unwritable(e2, self.folder, self.what) from None
             self._thread = threading.Thread(target=self._beat, name="shardlm-lock-heartbeat", daemon=True)
             self._thread.start()
             return
         raise ConfigError(f"{self.what} {str(self.folder)!r}: could not take {self.path} (another run keeps "
                           "taking it); use another folder")
+
+    def _write(self, fd: int) -> None:
+        with os.fdopen(fd, "w") as f:
+            json.dump(self.me, f)
+            f.flush()  # a full disk fails here, inside the `with`, not at an unchecked close
 
     def _take_over_or_fail(self) -> None:
         try:
@@ -123,6 +141,17 @@ class RunLock:
             pass
 
 
+def _unwritable(e: OSError, folder: Path, what: str, needed: int | None = None) -> ShardlmError:
+    """A full disk (StorageError naming the disk), else a folder that cannot be written (ConfigError)."""
+    from shardlm.disk import disk_error
+
+    full = disk_error(e, folder, f"{what} {str(folder)!r}", needed=needed)
+    if full is not None:
+        return full
+    return ConfigError(f"{what} {str(folder)!r} is not writable ({e.strerror or e}); fix its permissions or "
+                       f"mount, or point {what} at a writable folder")
+
+
 def check_writable(folder: Path, what: str, rank: int, need_bytes: int = 0, share: float = 1.0) -> str | None:
     """ConfigError if this rank cannot create and write files in `folder`, or if its free space is below
     `need_bytes * share` (this rank's node's share of one checkpoint). Returns a warning line when the
@@ -136,8 +165,8 @@ def check_writable(folder: Path, what: str, rank: int, need_bytes: int = 0, shar
             os.fsync(f.fileno())
         probe.unlink()
     except OSError as e:
-        raise ConfigError(f"{what} {str(folder)!r} is not writable ({e.strerror or e}); fix its permissions or "
-                          f"mount, or point {what} at a writable folder") from None
+        probe.unlink(missing_ok=True)
+        raise _unwritable(e, folder, what, need_bytes * share or None) from None
     if need_bytes <= 0:
         return None
     free = shutil.disk_usage(folder).free

@@ -16,6 +16,7 @@ from torch.distributed.tensor import DTensor
 from shardlm._torch_compat import float8_linear_class
 from shardlm.build import base_dtype, build_model, build_model_config, model_state_bytes, uses_fp8_all_gather
 from shardlm.checkpoint import Checkpointer
+from shardlm.checkpoint.manager import remove_partials
 from shardlm.checkpoint.lineage import current_lineage, tokenizer_fingerprint
 from shardlm.checkpoint.meta import CheckpointMeta
 from shardlm.config import Config
@@ -27,7 +28,7 @@ from shardlm.distributed.nccl import apply_env
 from shardlm.distributed.preflight import StepTimes, preflight, step_time_slots
 from shardlm.distributed.watchdog import Watchdog, heartbeat_store, install_test_stall, set_timeouts
 from shardlm.distributed.env import device_type, init_distributed, restart_store_warning, shutdown_distributed
-from shardlm.errors import ConfigError, DataError, Interrupted, PreflightError, TrainingError
+from shardlm.errors import ConfigError, DataError, Interrupted, PreflightError, StorageError, TrainingError
 from shardlm.generate import generate, prompt_ids
 from shardlm.eval.validation import Validator, best_logged
 from shardlm.observe.metrics import MetricsLogger, Throughput, peak_flops, read_and_reset_peak_memory
@@ -255,16 +256,21 @@ class Trainer:
                         folder.mkdir(parents=True, exist_ok=True)
                     except OSError as e:
                         raise ConfigError(f"{what} {str(folder)!r} cannot be created: {e.strerror}") from None
-                    lock = RunLock(folder, self.log, what)
+                    # the lock over the checkpoints may clear a dead run's partial save (which may be what
+                    # filled the disk) to make room for itself
+                    holds_ck = folder == folders[-1][0]
+                    room = (lambda: remove_partials(self.checkpoint_dir, self.log)) if holds_ck else None
+                    lock = RunLock(folder, self.log, what, make_room=room)
                     lock.acquire()
                     locks.append(lock)
-            except ConfigError as e:
+            except (ConfigError, StorageError) as e:
                 for lock in locks:
                     lock.release()
-                error = [str(e)]
+                error = [(type(e).__name__, str(e))]
         dist.broadcast_object_list(error, src=0)
         if error[0] is not None:
-            raise ConfigError(error[0])
+            kind, line = error[0]
+            raise (StorageError if kind == "StorageError" else ConfigError)(line)
         return locks
 
     def release_locks(self) -> None:
@@ -280,18 +286,20 @@ class Trainer:
         need = 4 * n_saved + 8 * n_trained  # fp32 weights + two AdamW moments
         warnings, error = [], None
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        if env.rank == 0:  # what a dead run's save left (it may be what filled the disk): before the probe
+            remove_partials(self.checkpoint_dir, self.log)
         try:
             check_writable(self.output_dir, "train.output_dir", env.rank)
             if c.save_final or c.interval > 0:
                 w = check_writable(self.checkpoint_dir, "checkpoint.dir" if c.dir else "train.output_dir",
                                    env.rank, need, share=local_world / env.world_size)
                 warnings += [w] if w else []
-        except ConfigError as e:
-            error = str(e)
+        except (ConfigError, StorageError) as e:
+            error = e
         flag = torch.tensor([float(error is not None)])
         dist.all_reduce(flag)
         if error is not None:
-            raise ConfigError(error)
+            raise error
         if flag.item():
             raise ConfigError("another rank cannot write its output or checkpoint folder (see its error)")
         for w in warnings:

@@ -203,12 +203,16 @@ def check_free_space(out: Path, need_bytes: int) -> None:
         p = p.parent
     free = shutil.disk_usage(p).free
     if free < need_bytes * 1.05:
-        raise ConfigError(f"not enough free space for the export in {p}: it needs {need_bytes / 1e9:.2f} GB, "
-                          f"{free / 1e9:.2f} GB are free")
+        from shardlm.disk import mount_point
+        from shardlm.errors import StorageError
+
+        raise StorageError(f"not enough free space for the export in {p} (disk {mount_point(p)}): it needs "
+                           f"{need_bytes / 1e9:.2f} GB, {free / 1e9:.2f} GB are free; free space there or pass "
+                           "another folder")
 
 
 @contextlib.contextmanager
-def written_aside(out: Path) -> Iterator[Path]:
+def written_aside(out: Path, need_bytes: int | None = None) -> Iterator[Path]:
     """Yield a temp folder beside `out` to write into; on success it replaces `out` whole (rename), on
     any failure (or Ctrl-C) it is removed and `out` is as it was. A kill leaves only the temp folder,
     which the next export's `clean_leftovers` removes."""
@@ -220,11 +224,16 @@ def written_aside(out: Path) -> Iterator[Path]:
             from None
     try:
         yield tmp
-    except OSError as e:  # disk full, quota, permissions: one line; the previous export stands
+    except Exception as e:  # disk full, quota, size limit, permissions: one line; the previous export stands
+        from shardlm.disk import disk_error
+
         shutil.rmtree(tmp, ignore_errors=True)
-        raise ConfigError(f"cannot write the export {out} ({e.strerror or e}); "
-                          f"{'the previous export is unchanged' if out.exists() else 'nothing was written'}") \
-            from None
+        kept = "the previous export is unchanged" if out.exists() else "nothing was written"
+        if (err := disk_error(e, out.parent, f"export {out}", needed=need_bytes, after=kept)) is not None:
+            raise err from None
+        if isinstance(e, OSError):
+            raise ConfigError(f"cannot write the export {out} ({e.strerror or e}); {kept}") from None
+        raise
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -433,8 +442,9 @@ def export_hf(
     out = Path(out_dir)
     clean_leftovers(out, log)
     check_out_dir(out, keep=[ck, None if tokenizer_dir is None else Path(tokenizer_dir), *keep])
-    check_free_space(out, sum(math.prod(v) for v in expected.values()) * out_dtype.itemsize)
-    with written_aside(out) as tmp:
+    need = sum(math.prod(v) for v in expected.values()) * out_dtype.itemsize
+    check_free_space(out, need)
+    with written_aside(out, need) as tmp:
         info = write_hf_folder(tmp, [iter_hf_tensors(reader, s, pairs, scaling, out_dtype) for s in shards],
                                hf_cfg, tokenizer_dir, generation)
     return {**info, "config": hf_cfg}
@@ -481,8 +491,9 @@ def export_peft_adapter(
 
     clean_leftovers(out, log)
     check_out_dir(out, keep=[ck])
-    check_free_space(out, sum(t.numel() * t.element_size() for t in sd.values()))
-    with written_aside(out) as tmp:
+    need = sum(t.numel() * t.element_size() for t in sd.values())
+    check_free_space(out, need)
+    with written_aside(out, need) as tmp:
         save_file(sd, str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
         (tmp / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
     return config
