@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -207,3 +208,38 @@ def test_kill_during_save_keeps_the_previous_checkpoint(tmp_path, corpus):
     assert f"removing incomplete {partial.name}" in again.stdout
     assert f"resumed from {ckdir / complete[-1]}" in again.stdout
     assert not partial.exists()
+
+
+def _gone(pid: int) -> bool:
+    """Exited: no such process, or a zombie nobody reaps (an orphan's new parent may not)."""
+    try:
+        return Path(f"/proc/{pid}/status").read_text().split("State:")[1].split()[0] in ("Z", "X")
+    except (OSError, IndexError):
+        return True
+
+
+def test_ranks_whose_launcher_died_stop_with_one_line(tmp_path, corpus):
+    """torchrun's agent SIGKILLed (its node lost its launcher): the ranks it started are orphans that nothing
+    will stop; each sees its parent change and stops within a heartbeat or two with one line (exit 8)."""
+    run = tmp_path / "orphan"
+    p = _start(_cmd(_args(tmp_path, corpus, "orphan", 10_000), nproc=2), tmp_path / "orphan.log")
+    try:
+        _wait_for(lambda: len(_records(run)) >= 2)
+        workers = _children(p.pid)
+        assert len(workers) == 2, workers
+        t0 = time.monotonic()
+        os.kill(p.pid, signal.SIGKILL)
+        p.wait(timeout=30)
+        _wait_for(lambda: all(_gone(w) for w in workers), timeout=30)
+        took = time.monotonic() - t0
+    finally:
+        with contextlib.suppress(ProcessLookupError):  # the session: also any rank that did not stop
+            os.killpg(p.pid, signal.SIGKILL)
+    log = (tmp_path / "orphan.log").read_text()
+    lines = [x for x in log.splitlines() if "its launcher" in x]
+    assert len(lines) == 2, log[-3000:]
+    for rank in (0, 1):
+        line = next(x for x in lines if x.startswith(f"shardlm: error: rank {rank}: step "))
+        assert f"its launcher (pid {p.pid}, the torchrun agent) is gone, so nothing would stop or restart this " \
+               "rank with its peers: stopping it; no checkpoint was saved yet: a restart begins at step 0" in line, line
+    assert took < 15, took  # a heartbeat (1 s) or two, not minutes

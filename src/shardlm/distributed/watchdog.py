@@ -36,7 +36,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, NoReturn
+from typing import Any, Callable, Iterable, Iterator, Mapping, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -193,6 +193,13 @@ def short_message(exc: BaseException, limit: int = 160) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+def launcher_of(environ: Mapping[str, str] | None = None) -> int | None:
+    """The pid of the elastic agent that started this process (its parent, when TORCHELASTIC_RUN_ID says
+    one did; torchrun and `shardlm train --nproc-per-node` both set it), else None."""
+    environ = os.environ if environ is None else environ
+    return os.getppid() if "TORCHELASTIC_RUN_ID" in environ else None
+
+
 def exit_with(line: str) -> NoReturn:
     """The default `on_failure`: the line on stderr (every rank: rank 0 may be the one that died) and in
     torchrun's error file, then `os._exit(8)`. Not `sys.exit`: torchrun SIGTERMs the other workers as
@@ -248,13 +255,16 @@ class Watchdog:
     def __init__(self, rank: int, world_size: int, store: dist.Store | None, timeout_s: float, *,
                  local_world_size: int = 1, on_failure: Callable[[str], NoReturn] | None = None,
                  heartbeat_s: float = 1.0, grace_s: float = 30.0, dump_dir: Path | None = None,
-                 backend: str = "gloo", tail: str = TAIL):
+                 backend: str = "gloo", tail: str | Callable[[], str] = TAIL, launcher_pid: int | None = None):
         self.rank, self.world_size, self.store = rank, world_size, store
         self.local_world_size = max(1, local_world_size)
         self.on_failure = on_failure or exit_with
         self.heartbeat_s, self.grace_s = heartbeat_s, grace_s
         self.dump_dir, self.backend, self.tail = dump_dir, backend, tail
         self.timeout_s = timeout_s
+        # the elastic agent (torchrun, `shardlm train --nproc-per-node`) that started this rank: when it is
+        # gone this process is an orphan no launcher will restart or stop (see `launcher_of`)
+        self.launcher_pid = launcher_pid
         self.step = 0  # optimizer steps done (the trainer sets it); a failure in training is in step + 1
         self.phase = "setup"
         self.progress = 0
@@ -316,9 +326,10 @@ class Watchdog:
                 faulthandler.dump_traceback_later(self.timeout_s + 3 * self.grace_s + 60, exit=True)
             self._publish()
             idle = time.monotonic() - self._since
-            if idle > self.timeout_s + self.grace_s and not self._failing:
+            orphaned = self.launcher_pid is not None and os.getppid() != self.launcher_pid
+            if (orphaned or idle > self.timeout_s + self.grace_s) and not self._failing:
                 try:
-                    self.failed(None)
+                    self.orphaned() if orphaned else self.failed(None)
                 except BaseException:  # a test's on_failure returned: CommError ends the thread
                     return
 
@@ -362,7 +373,28 @@ class Watchdog:
             when = "during setup"
         else:
             when = step_label(self.step, self.phase)
-        return f"shardlm: error: rank {self.rank}: {when}: {cause}; {self.tail}"
+        tail = self.tail
+        if callable(tail):
+            try:
+                tail = tail()
+            except Exception:  # the folder cannot be read now: say what is always true
+                tail = "resume with checkpoint.resume=auto from the last complete checkpoint, if any"
+        return f"shardlm: error: rank {self.rank}: {when}: {cause}; {tail}"
+
+    def orphaned(self) -> NoReturn:
+        """The launcher that started this rank is gone (killed, its node's agent died): nothing will stop or
+        restart this rank with its peers, which wait or are being torn down. One line, then `on_failure`."""
+        with self._lock:
+            if self._failing:
+                raise CommError(self.line("its launcher is gone while this rank was already failing"))
+            self._failing = True
+        self._publish()
+        line = self.line(f"its launcher (pid {self.launcher_pid}, the torchrun agent) is gone, so nothing would "
+                         "stop or restart this rank with its peers: stopping it")
+        self._stop.set()
+        self.on_failure(line)
+        self._reported.set()
+        raise CommError(line)
 
     def failed(self, exc: BaseException | None, where: str | None = None) -> NoReturn:
         """Build the line for `exc` (None: the backstop's no-progress) and hand it to `on_failure`; if

@@ -26,10 +26,10 @@ from shardlm.data.store import is_store
 from shardlm.models.llama import document_attention_backend
 from shardlm.distributed.nccl import apply_env
 from shardlm.distributed.preflight import StepTimes, preflight, step_time_slots
-from shardlm.distributed.watchdog import Watchdog, heartbeat_store, install_test_stall, set_timeouts
+from shardlm.distributed.watchdog import Watchdog, heartbeat_store, install_test_stall, launcher_of, set_timeouts
 from shardlm.distributed.env import device_type, init_distributed, restart_store_warning, shutdown_distributed
 from shardlm.errors import ConfigError, DataError, Interrupted, PreflightError, StorageError, TrainingError
-from shardlm.generate import generate, prompt_ids
+from shardlm.generate import check_context, generate, prompt_ids
 from shardlm.eval.validation import Validator, best_logged
 from shardlm.observe.metrics import MetricsLogger, Throughput, peak_flops, read_and_reset_peak_memory
 from shardlm.observe.profiler import PhaseTimer, StepProfiler
@@ -132,9 +132,12 @@ class Trainer:
         self.is_rank0 = self.env.rank == 0
         self.topo = topo
         # From here a dead or stalled peer ends this rank with one line (exit 8), never a hang.
+        # And so does a launcher that is gone (an orphaned rank stops, exit 8).
+        ck_dir = checkpoint_dir(cfg)
         self.watchdog = Watchdog(self.env.rank, self.env.world_size, heartbeat_store(), cfg.parallel.init_timeout_s,
                                  local_world_size=topo.ranks_per_node,
-                                 backend="nccl" if self.env.device.type == "cuda" else "gloo").start()
+                                 backend="nccl" if self.env.device.type == "cuda" else "gloo",
+                                 tail=lambda: stands(ck_dir), launcher_pid=launcher_of()).start()
         install_test_stall(self.watchdog, os.environ.get("SHARDLM_TEST_STALL"))
         # From here on a SIGTERM is a request to checkpoint and stop, honoured after the next step
         # (and so is Ctrl-C, during the training loop).
@@ -650,8 +653,12 @@ class Trainer:
                                "metrics.jsonl)")
         if sample and t.sample_tokens > 0:
             self.watchdog.enter("sample")
-            ids = generate(self.model, prompt_ids(self.tokenizer, t.sample_prompt), t.sample_tokens,
-                           self.cfg.data.seq_len, seed=t.seed, device=self.env.device)
+            prompt = prompt_ids(self.tokenizer, t.sample_prompt)
+            warning = check_context([prompt], t.sample_tokens, self.cfg.data.seq_len, "train.sample_tokens")
+            if warning:  # the sample stops at the context
+                self.metrics.write(f"sample: warning: {warning}")
+            ids = generate(self.model, prompt, t.sample_tokens, self.cfg.data.seq_len, seed=t.seed,
+                           device=self.env.device)
             self.metrics.write("sample:\n" + self.tokenizer.decode(ids))
         if self.profiler is not None:
             self.profiler.close()
@@ -686,6 +693,15 @@ def last_checkpoint(folder: Path) -> str:
     """`last complete checkpoint step-M` (the one resume=auto takes), or `no checkpoint saved`."""
     done = current_lineage(folder)
     return f"last complete checkpoint {done[0].name}" if done else "no checkpoint saved"
+
+
+def stands(folder: Path) -> str:
+    """What a failed run leaves to resume from: `the last complete checkpoint step-M stands (...)`, or that
+    none was saved."""
+    done = current_lineage(folder)
+    if done:
+        return f"the last complete checkpoint {done[0].name} stands (resume with checkpoint.resume=auto)"
+    return "no checkpoint was saved yet: a restart begins at step 0"
 
 
 def train(cfg: Config) -> list[dict]:
