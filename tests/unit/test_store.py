@@ -339,9 +339,15 @@ def test_damaged_store_bytes_stop_training_with_one_line(tmp_path, capsys, verif
     tokens = tmp_path / "s" / "tokens.bin"
     n = tokens.stat().st_size // 2  # uint16 ids (the byte tokenizer)
     tokens.write_bytes((1000).to_bytes(2, "little") * n)  # same size: opens; every id >= the debug model's 320
-    rc = main(["train", "--model.preset=debug", f"--data.path=store:{tmp_path / 's'}", "--data.seq_len=32",
-               "--train.micro_batch_size=2", "--train.steps=1", f"--train.output_dir={tmp_path / 'run'}",
-               "--metrics.progress_bar=false", "--checkpoint.save_final=false", f"--data.verify={str(verify).lower()}"])
+    environ = dict(os.environ)
+    try:
+        rc = main(["train", "--model.preset=debug", f"--data.path=store:{tmp_path / 's'}", "--data.seq_len=32",
+                   "--train.micro_batch_size=2", "--train.steps=1", f"--train.output_dir={tmp_path / 'run'}",
+                   "--metrics.progress_bar=false", "--checkpoint.save_final=false",
+                   f"--data.verify={str(verify).lower()}"])
+    finally:  # the run's env preset (flight recorder into this tmp_path) must not follow later tests
+        os.environ.clear()
+        os.environ.update(environ)
     err = capsys.readouterr().err
     assert rc == 4 and "Traceback" not in err, err  # DataError
     line = next(ln for ln in err.splitlines() if ln.startswith("shardlm: error"))

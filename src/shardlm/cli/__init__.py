@@ -14,6 +14,7 @@ import argparse
 import json
 import os
 import sys
+import time
 
 from shardlm import __version__
 from shardlm.cli import bench, convert, debug_assets, env, generate, plan, plot, prepare, presets, train
@@ -89,14 +90,15 @@ def _rank0() -> bool:
     return os.environ.get("RANK", "0") == "0"
 
 
-def _report(line: str) -> None:
-    """Print on rank 0; under torchrun also hand the line to its failure summary (its error file)."""
-    if _rank0():
-        print(line, file=sys.stderr, flush=True)
+def _report(line: str, launcher_prints: bool = True) -> None:
+    """Print on rank 0; under torchrun also hand the line to its failure summary (its error file). Under
+    `shardlm train --nproc-per-node` the launcher prints it (`launcher_prints`), from that file."""
     error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if _rank0() and not (launcher_prints and error_file and os.environ.get("SHARDLM_LAUNCHER")):
+        print(line, file=sys.stderr, flush=True)
     if error_file:
         with open(error_file, "w") as f:
-            json.dump({"message": line}, f)
+            json.dump({"message": line, "timestamp": int(time.time())}, f)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -116,13 +118,13 @@ def main(argv: list[str] | None = None) -> int:
     except _Exit as e:
         return e.status
     except Interrupted as e:  # Ctrl-C in training: the trainer saved (or says what stands)
-        _report(f"shardlm: {e}")
+        _report(f"shardlm: {e}", launcher_prints=False)  # a signal, not a failure: the launcher says nothing
         return e.exit_code
     except ShardlmError as e:
         _report(f"shardlm: error: {e}")
         return e.exit_code
     except KeyboardInterrupt:  # Ctrl-C anywhere else: nothing to save
-        _report("shardlm: interrupted")
+        _report("shardlm: interrupted", launcher_prints=False)
         return Interrupted.exit_code
     except OSError as e:  # a full disk where no writer named it: still one line, naming the file's disk
         from shardlm.disk import DISK_ERRNOS, from_oserror

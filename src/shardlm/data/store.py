@@ -30,6 +30,7 @@ process to take the cache's lock prepares, the others wait for its manifest.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import multiprocessing as mp
@@ -421,6 +422,16 @@ def _encode_into(tok: Tokenizer, texts: list[str], train: _Part, val: _Part | No
         _count(counters, pending)
 
 
+class _LocalCounters(list):
+    """[documents, tokens] done, for a prepare without worker processes (the shared Array's interface)."""
+
+    def __init__(self) -> None:
+        super().__init__([0, 0])
+
+    def get_lock(self) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+
 def _count(counters: Any, pending: list[int]) -> None:
     if counters is not None and pending[0]:
         with counters.get_lock():
@@ -556,15 +567,21 @@ def _prepare_locked(spec: PrepareSpec, out: Path, key: str, *, workers: int, max
     by_size = -(-todo_bytes // POOL_BYTES_PER_WORKER)  # small inputs: fewer processes (1 = no pool at all)
     workers = max(1, min(workers or os.cpu_count() or 1, len(todo) or 1, by_size or 1))
     ctx = mp.get_context("spawn")
-    counters = ctx.Array("q", 2)
+    in_process = workers == 1 or len(todo) <= 1
+    # In process: plain counters. A shared Array holds a semaphore the resource tracker would report as
+    # leaked when this process is killed later (a training rank that prepared its data).
+    counters = _LocalCounters() if in_process else ctx.Array("q", 2)
     t0 = time.monotonic()
     bar = _Progress(counters, len(jobs), len(done), log, progress)
     try:
-        if workers == 1 or len(todo) <= 1:
+        if in_process:
             _init_worker(spec.tokenizer, counters, False, spec.kind, spec.template_dir)
-            for job in todo:
-                _prepare_unit(job)
-                bar.update(1)
+            try:
+                for job in todo:
+                    _prepare_unit(job)
+                    bar.update(1)
+            finally:
+                _W.clear()  # the tokenizer and counters of this prepare: not kept for the life of the process
         else:
             with ctx.Pool(workers, initializer=_init_worker, initargs=(spec.tokenizer, counters, True, spec.kind, spec.template_dir)) as pool:
                 results = pool.imap_unordered(_prepare_unit, todo)

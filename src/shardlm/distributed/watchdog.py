@@ -205,11 +205,12 @@ def exit_with(line: str) -> NoReturn:
     torchrun's error file, then `os._exit(8)`. Not `sys.exit`: torchrun SIGTERMs the other workers as
     soon as one exits, destroying a broken gloo group can hang, and NCCL's teardown can too."""
     try:
-        print(line, file=sys.stderr, flush=True)
         error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+        if not (error_file and os.environ.get("SHARDLM_LAUNCHER")):  # that launcher prints it from the file
+            print(line, file=sys.stderr, flush=True)
         if error_file:
             with open(error_file, "w") as f:
-                json.dump({"message": line}, f)
+                json.dump({"message": line, "timestamp": int(time.time())}, f)
     finally:
         os._exit(CommError.exit_code)
 
@@ -392,6 +393,8 @@ class Watchdog:
         line = self.line(f"its launcher (pid {self.launcher_pid}, the torchrun agent) is gone, so nothing would "
                          "stop or restart this rank with its peers: stopping it")
         self._stop.set()
+        if os.environ.get("SHARDLM_LAUNCHER"):  # that launcher is the one gone: nobody else will print it
+            print(line, file=sys.stderr, flush=True)
         self.on_failure(line)
         self._reported.set()
         raise CommError(line)
