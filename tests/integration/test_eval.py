@@ -20,6 +20,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -282,3 +283,108 @@ def test_eval_errors_are_one_line(assets, monkeypatch, capsys):
     err = capsys.readouterr().err
     assert err.strip().splitlines()[-1] == ("shardlm: error: `shardlm eval` needs lm_eval (not installed): "
                                             "pip install 'shardlm[eval]'")
+
+
+# --- lm-eval's own tasks offline: their data sets live on the HF hub ---------------------------------------
+
+@pytest.fixture(scope="module")
+def builtin_tasks(lm_eval_here):
+    """lm-eval's task index with its built-in tasks: the scan of its ~14k task YAMLs (~10 s on 2 cores) is the
+    slow part of any built-in task's start, so it is made once here and handed to the CLI."""
+    from lm_eval.tasks import TaskManager
+
+    return TaskManager()
+
+
+@pytest.fixture
+def hub_off(monkeypatch, tmp_path, builtin_tasks):
+    """The hub off wherever datasets and huggingface_hub read it (they read the environment at import), an
+    empty datasets cache, and the CLI on the prebuilt task index. Nothing here can wait on the network."""
+    import datasets.config
+    import huggingface_hub.constants
+
+    from shardlm.cli import eval as eval_cmd
+
+    for var in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE"):
+        monkeypatch.setenv(var, "1")
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "datasets"))
+    monkeypatch.setattr(eval_cmd, "_task_manager", lambda tasks, include_path: builtin_tasks)
+    return tmp_path / "datasets"
+
+
+def test_a_hub_task_offline_and_not_cached_is_one_line_at_once(assets, hub_off, capsys):
+    # before: the model loaded, then datasets' ConnectionError traceback (~45 s of retries when not declared off)
+    t0 = time.monotonic()
+    rc = main(["eval", "--hf", str(assets["hf"]), "--tasks", "arc_easy,hellaswag", "--limit", "2"])
+    took = time.monotonic() - t0
+    err = capsys.readouterr().err
+    assert rc == 2 and "Traceback" not in err, err[-3000:]
+    [line] = err.strip().splitlines()  # no "eval: hf:..." line: the model was never loaded
+    assert line.startswith("shardlm: error: 2 tasks need data from the HF hub (arc_easy needs allenai/ai2_arc "
+                           f"(ARC-Easy), hellaswag needs Rowan/hellaswag), not in the datasets cache ({hub_off}), "
+                           "and the hub is off (HF_DATASETS_OFFLINE=1, HF_HUB_OFFLINE=1); "), line
+    assert "HF_DATASETS_CACHE" in line and "--include-path" in line
+    assert took < 10, took
+
+
+def _cache_arc_easy(cache: Path, tmp: Path) -> None:
+    """A datasets cache holding allenai/ai2_arc's ARC-Easy config (4 made-up questions), laid out as
+    `load_dataset` leaves a hub dataset: prepared by the json builder, then moved to <ns>___<name>/<config>/."""
+    import datasets
+
+    row = {"id": "q", "question": "Which is a number?", "choices": {"text": ["4", "x"], "label": ["A", "B"]},
+           "answerKey": "A"}
+    (tmp / "arc.jsonl").write_text("".join(json.dumps({**row, "id": f"q{i}"}) + "\n" for i in range(4)))
+    built = datasets.load_dataset("json", data_files={s: str(tmp / "arc.jsonl") for s in ("train", "validation", "test")},
+                                  cache_dir=str(tmp / "json_cache"))
+    src = Path(next(iter(built.cache_files.values()))[0]["filename"]).parent
+    dst = cache / "allenai___ai2_arc" / "ARC-Easy" / "0.0.0" / "cafe"
+    dst.mkdir(parents=True)
+    for f in src.iterdir():
+        if f.suffix in (".arrow", ".json"):
+            (dst / f.name.replace("json-", "ai2_arc-")).write_bytes(f.read_bytes())
+    info = json.loads((dst / "dataset_info.json").read_text())
+    (dst / "dataset_info.json").write_text(json.dumps({**info, "config_name": "ARC-Easy", "builder_name": "ai2_arc",
+                                                        "dataset_name": "ai2_arc"}))
+
+
+def test_a_cached_hub_task_runs_offline(assets, hub_off, tmp_path, capsys):
+    from shardlm.cli.eval import dataset_cached
+
+    _cache_arc_easy(hub_off, tmp_path)
+    assert dataset_cached("allenai/ai2_arc", "ARC-Easy", str(hub_off))
+    assert not dataset_cached("allenai/ai2_arc", "ARC-Challenge", str(hub_off))
+    with contextlib.redirect_stdout(io.StringIO()) as stdout:
+        rc = main(["eval", "--hf", str(assets["hf"]), "--tasks", "arc_easy", "--limit", "2", "--bootstrap-iters", "0"])
+    assert rc == 0, capsys.readouterr().err[-3000:]
+    assert "|arc_easy" in stdout.getvalue()
+    # its tag, ai2_arc, holds arc_challenge too, which is not cached: named alone
+    assert main(["eval", "--hf", str(assets["hf"]), "--tasks", "ai2_arc"]) == 2
+    assert "task arc_challenge needs allenai/ai2_arc (ARC-Challenge) from the HF hub" in capsys.readouterr().err
+
+
+def test_which_tasks_need_the_hub_and_a_hub_that_does_not_answer(assets, builtin_tasks, hub_off, monkeypatch):
+    import datasets.config
+
+    from shardlm.cli.eval import _task_manager, check_hub_data, hub_datasets
+    from shardlm.errors import ConfigError
+
+    mmlu = hub_datasets(builtin_tasks, ["mmlu"])  # a group of groups
+    assert len(mmlu) == 57 and mmlu["mmlu_anatomy"] == ("cais/mmlu", "anatomy")
+    local = _task_manager(["tiny_mc"], str(assets["tasks"]))  # --include-path YAMLs over jsonl files
+    assert hub_datasets(local, ["tiny_mc", "tiny_ppl", "tiny_gen"]) == {}
+    check_hub_data(local, ["tiny_mc", "tiny_ppl", "tiny_gen"])
+    with pytest.raises(ConfigError, match=r"^57 tasks need data from the HF hub \(mmlu_abstract_algebra needs "
+                                          r"cais/mmlu \(abstract_algebra\), .*, \.\.\.\), not in"):
+        check_hub_data(builtin_tasks, ["mmlu"])
+    # not declared off, but nothing answers: asked once, refused at once
+    for var in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE", "http_proxy", "https_proxy", "HTTP_PROXY", "HTTPS_PROXY",
+                "ALL_PROXY", "all_proxy"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(datasets.config, "HF_ENDPOINT", "http://127.0.0.1:9")
+    with pytest.raises(ConfigError, match=r"task arc_easy needs allenai/ai2_arc \(ARC-Easy\) from the HF hub, .* "
+                                          r"and http://127.0.0.1:9 does not answer \(.*refused"):
+        check_hub_data(builtin_tasks, ["arc_easy"])

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import json
+import socket
 import subprocess
 from pathlib import Path
 
@@ -61,6 +62,7 @@ def checked(tmp_path: Path, environ: dict, *, netdevs=("eth0", "lo"), rdma=None,
     kw.setdefault("nccl_conf", [])
     kw.setdefault("lib_dirs", [])
     kw.setdefault("versions", lambda: {"torch": "2.13.0", "cuda": None, "nccl": None})
+    kw.setdefault("ifaddrs", lambda: {name: ["ipv4"] for name in netdevs})
     return run_check(sysfs, environ, **kw)
 
 
@@ -209,6 +211,97 @@ def test_async_error_handling_1(tmp_path):
     assert checked(tmp_path / "a", {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "3"}).problems == []
 
 
+# gloo reads GLOO_SOCKET_IFNAME as exact names, each with an address: "eth0, lo" wants " lo", "eth0,,lo" and
+# ",eth0" an empty name; "lo," is "lo"; one character is ignored (all seen with torch 2.13's gloo)
+@pytest.mark.parametrize("spec,why", [
+    ("bogus0", "no interface bogus0"), ("eth", "no interface eth (gloo takes exact names"),
+    ("^lo", "no interface ^lo (gloo takes exact names"), ("=eth0", "no interface =eth0 (gloo takes exact names"),
+    ("eth0, lo", "no interface  lo (gloo keeps spaces"), ("eth0,,lo", "an empty name"), (",eth0", "an empty name"),
+    ("ifb0", "ifb0 has no IP address"), ("eth0,bogus0", "no interface bogus0")])
+def test_gloo_socket_ifname_that_gloo_cannot_bind_is_flagged(tmp_path, spec, why):
+    def ifaddrs():
+        return {"lo": ["ipv4", "ipv6"], "ifb0": [], "eth0": ["ipv4"]}
+
+    [line] = flagged(checked(tmp_path, {"GLOO_SOCKET_IFNAME": spec}, ifaddrs=ifaddrs), "GLOO_SOCKET_IFNAME")
+    assert line.startswith(f"GLOO_SOCKET_IFNAME={spec}: {why}"), line
+    assert "(interfaces with an address here: lo, eth0)" in line and "gloo fails to start" in line
+    assert "e.g. `eth0`" in line and "unset it" in line and "\n" not in line
+
+
+@pytest.mark.parametrize("spec", ["eth0", "lo", "eth0,lo", "lo,", "x", ""])
+def test_gloo_socket_ifname_that_gloo_binds_is_fine(tmp_path, spec):
+    assert checked(tmp_path, {"GLOO_SOCKET_IFNAME": spec}, netdevs=("eth0", "lo")).problems == []
+
+
+def test_gloo_socket_ifname_not_checked_where_interfaces_are_unknown(tmp_path):
+    assert checked(tmp_path, {"GLOO_SOCKET_IFNAME": "bogus0"}, ifaddrs=lambda: None).problems == []
+
+
+def test_interface_addresses_on_the_real_machine():
+    ifaces = check.interface_addresses()
+    if ifaces is not None:  # Linux
+        assert "ipv4" in ifaces["lo"] or "ipv6" in ifaces["lo"]
+        assert set(ifaces) == {name for _, name in socket.if_nameindex()}
+
+
+@pytest.mark.parametrize("key", ["TORCH_NCCL_ASYNC_ERROR_HANDLING", "NCCL_ASYNC_ERROR_HANDLING"])
+@pytest.mark.parametrize("value,starts", [("banana", False), ("", False), ("4", True), ("-1", True),
+                                          ("99999999999", True)])
+def test_async_error_handling_that_is_no_mode(tmp_path, key, value, starts):
+    [line] = flagged(checked(tmp_path, {key: value}), key)
+    assert line.startswith(f"{key}={value} is not an integer 0-3 (0 no handling, 1 abort and tear down"), line
+    assert ("no mode torch knows" in line) == starts and ("fails to start" in line) == (not starts)
+    assert f"set {key}=3" in line
+
+
+@pytest.mark.parametrize("value", ["0", "2", "3", " 3", "+3", "3 "])  # as std::stoi reads them
+def test_async_error_handling_modes_are_fine(tmp_path, value):
+    assert checked(tmp_path, {"TORCH_NCCL_ASYNC_ERROR_HANDLING": value}).problems == []
+
+
+def test_nccl_conf_file_that_nccl_cannot_read(tmp_path):
+    folder = tmp_path / "confdir"
+    folder.mkdir()
+    [line] = flagged(checked(tmp_path / "a", {"NCCL_CONF_FILE": str(folder)}), "NCCL_CONF_FILE")
+    assert line.startswith(f"NCCL_CONF_FILE={folder} is a directory: NCCL skips it") and "unset it" in line
+    missing = tmp_path / "gone.conf"
+    [line] = flagged(checked(tmp_path / "b", {"NCCL_CONF_FILE": str(missing)}), "NCCL_CONF_FILE")
+    assert line.startswith(f"NCCL_CONF_FILE={missing} does not exist")
+    conf = tmp_path / "nccl.conf"
+    conf.write_text("NCCL_DEBUG=WARN\n")
+    for fine in (str(conf), ""):
+        assert checked(tmp_path / "c", {"NCCL_CONF_FILE": fine}).problems == []
+
+
+def test_start_problems_what_stops_the_process_group():
+    def ifaces():
+        return {"lo": ["ipv4"]}
+
+    env = {"GLOO_SOCKET_IFNAME": "bogus0", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "banana"}
+    assert [p.what.split("=")[0] for p in check.start_problems(env, cuda=True, ifaces=ifaces)] == [
+        "GLOO_SOCKET_IFNAME", "TORCH_NCCL_ASYNC_ERROR_HANDLING"]
+    assert [p.what.split("=")[0] for p in check.start_problems(env, cuda=False, ifaces=ifaces)] == [
+        "GLOO_SOCKET_IFNAME"]  # gloo runs on CPUs and GPUs; ProcessGroupNCCL (which reads the mode) on GPUs only
+
+    def unread():
+        raise AssertionError("the interfaces are read only when GLOO_SOCKET_IFNAME is set")
+
+    assert check.start_problems({"GLOO_SOCKET_IFNAME": "lo"}, cuda=True, ifaces=ifaces) == []
+    assert check.start_problems({}, cuda=True, ifaces=unread) == []
+
+
+def test_init_distributed_stops_on_a_bad_gloo_interface_before_the_process_group(monkeypatch):
+    import torch.distributed as dist
+
+    from shardlm.distributed.env import init_distributed
+
+    assert not dist.is_initialized()
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "bogus0")
+    with pytest.raises(ConfigError, match=r"^GLOO_SOCKET_IFNAME=bogus0: no interface bogus0"):
+        init_distributed("cpu")
+    assert not dist.is_initialized()
+
+
 def test_alloc_conf_new_name_alone(tmp_path):
     env = {"PYTORCH_ALLOC_CONF": "expandable_segments:True"}
     old_torch = {"versions": lambda: {"torch": "2.9.1"}}
@@ -220,13 +313,17 @@ def test_alloc_conf_new_name_alone(tmp_path):
 
 
 def test_clean_environment_has_no_problem(tmp_path):
+    conf = tmp_path / "nccl.conf"
+    conf.write_text("NCCL_DEBUG=WARN\n")
     env = {"NCCL_SOCKET_IFNAME": "eth", "NCCL_IB_HCA": "mlx5", "CUDA_DEVICE_MAX_CONNECTIONS": "32",
-           "TORCH_NCCL_ASYNC_ERROR_HANDLING": "3", "LOCAL_WORLD_SIZE": "2", "NCCL_NET": "IB"}
+           "TORCH_NCCL_ASYNC_ERROR_HANDLING": "3", "LOCAL_WORLD_SIZE": "2", "NCCL_NET": "IB",
+           "GLOO_SOCKET_IFNAME": "eth0", "NCCL_CONF_FILE": str(conf)}
     report = checked(tmp_path, env, rdma=IB, gpus=gpus(2), run=lambda argv: TOPO_NVLINK)
     assert report.problems == []
     assert report.format().endswith("no problems found")
     assert report.sections["topology"]["nvlink"] is True
     assert report.sections["environment"]["NCCL_IB_HCA"] == "mlx5"
+    assert report.sections["environment"]["GLOO_SOCKET_IFNAME"] == "eth0"
 
 
 # --- the report -----------------------------------------------------------------------------------
@@ -308,6 +405,18 @@ def test_env_command_on_the_real_machine(monkeypatch, capsys):
     monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     assert _env([]) == 1
     assert "CUDA_DEVICE_MAX_CONNECTIONS=1" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("key,value", [("GLOO_SOCKET_IFNAME", "bogus0"), ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "banana"),
+                                       ("NCCL_ASYNC_ERROR_HANDLING", "7"), ("NCCL_CONF_FILE", "/")])
+def test_env_command_reports_odd_values_on_the_real_machine(monkeypatch, capsys, key, value):
+    for name in ("NCCL_SOCKET_IFNAME", "NCCL_IB_HCA", "NCCL_NET", "CUDA_DEVICE_MAX_CONNECTIONS", "GLOO_SOCKET_IFNAME",
+                 "TORCH_NCCL_ASYNC_ERROR_HANDLING", "NCCL_ASYNC_ERROR_HANDLING", "NCCL_CONF_FILE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv(key, value)
+    assert _env([]) == 1
+    [line] = [x for x in capsys.readouterr().out.splitlines() if x.startswith(f"  - {key}=")]
+    assert "; " in line  # the problem, then its fix
 
 
 def test_env_command_argument_errors():

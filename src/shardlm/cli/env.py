@@ -10,8 +10,10 @@ TAKES_OVERRIDES = False
 def add_args(p: argparse.ArgumentParser) -> None:
     p.usage = "shardlm env [--check] [--json] | --list | --preset NAME"
     p.epilog = ("--check reports versions, launcher variables, GPUs and their topology, network devices, "
-                "nccl.conf and\nthe NCCL/torch/CUDA variables set, then the obvious mistakes with their fixes. "
-                "Paste it into bug reports.\nexit code (--check): 0 if no problem was found, 1 if one was.")
+                "nccl.conf and\nthe NCCL/torch/CUDA/gloo variables set, then the obvious mistakes with their fixes "
+                "(a GLOO_SOCKET_IFNAME or\nTORCH_NCCL_ASYNC_ERROR_HANDLING that stops the process group, an "
+                "NCCL_CONF_FILE NCCL cannot read, ...).\nPaste it into bug reports.\n"
+                "exit code (--check): 0 if no problem was found, 1 if one was.")
     what = p.add_mutually_exclusive_group()
     what.add_argument("--check", action="store_true", help="check this node (the default)")
     what.add_argument("--list", action="store_true", help="list the NCCL presets")

@@ -7,6 +7,8 @@ import json
 import logging
 import os
 import sys
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 from shardlm.cli.generate import add_model_source
@@ -23,8 +25,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
         "(`shardlm.eval.harness`): loglikelihood, loglikelihood_rolling (perplexity) and generate_until tasks.\n"
         "One process for a model that fits one device; under torchrun the model is sharded and every rank runs\n"
         "every request in lockstep; rank 0 prints the results table and writes --output. Needs the [eval] extra.")
-    p.epilog = ("Tasks: lm-eval's own (their data sets come from the HF hub) and those in --include-path (task YAMLs,\n"
-                "e.g. over a local jsonl: dataset_path: json, dataset_kwargs: {data_files: ...}). --section.key=value\n"
+    p.epilog = ("Tasks: lm-eval's own (their data sets come from the HF hub, or offline from the datasets cache,\n"
+                "HF_DATASETS_CACHE: an uncached one fails at once when the hub is off or does not answer) and those\n"
+                "in --include-path (task YAMLs, e.g. over a local jsonl: dataset_path: json, dataset_kwargs:\n"
+                "{data_files: ...}).\n--section.key=value "
                 "overrides: train.device (auto/cpu/cuda), train.mixed_precision (auto = bf16 on GPUs, fp32 on CPU),\n"
                 "parallel.* under torchrun.")
     add_model_source(p)
@@ -71,6 +75,102 @@ def _task_manager(tasks: list[str], include_path: str | None):
     return manager
 
 
+HUB_FIX = ("run the eval once where the hub is reachable (that fills the cache), point HF_DATASETS_CACHE at a copy "
+           "of a cache that has the data, or evaluate a task YAML over local files (--include-path; README: "
+           "Evaluation)")
+
+
+def hub_datasets(manager, tasks: list[str]) -> dict[str, tuple[str, str | None]]:
+    """task -> (HF hub dataset, its config) for each task of `tasks` (groups and tags expanded) that lm-eval loads
+    from the hub: a `dataset_path` that `datasets.load_dataset` looks up there (a repo id, not one of its
+    packaged builders such as json, nor a local folder). Left out: tasks with their own loader (custom_dataset,
+    a Python class), remote data_files, and everything where lm-eval's index is not the Entry objects of 0.4.13."""
+    from datasets.packaged_modules import _PACKAGED_DATASETS_MODULES
+
+    index, out, seen = getattr(manager, "task_index", {}), {}, set()
+
+    def children(spec) -> list:
+        return spec if isinstance(spec, list) else [spec]
+
+    def visit(spec) -> None:  # a name, or a group's child: {task: name, overrides...} or an inline {group: ...}
+        if isinstance(spec, dict) and "group" in spec:
+            for child in children(spec.get("task")):
+                visit(child)
+            return
+        name = spec.get("task") if isinstance(spec, dict) else spec
+        if not isinstance(name, str) or name in seen:
+            return
+        seen.add(name)
+        entry = index.get(name)
+        kind = getattr(getattr(entry, "kind", None), "name", None)
+        if kind == "TAG":
+            for member in sorted(entry.tags):
+                visit(member)
+        elif kind == "GROUP":
+            for child in children((entry.cfg or {}).get("task")):
+                visit(child)
+        elif kind == "TASK":
+            cfg = {**(entry.cfg or {}), **(spec if isinstance(spec, dict) else {})}
+            path = cfg.get("dataset_path")
+            if (isinstance(path, str) and not cfg.get("custom_dataset") and path not in _PACKAGED_DATASETS_MODULES
+                    and not os.path.isdir(path) and path.count("/") <= 1 and not path.startswith((".", "~"))):
+                out[name] = (path, cfg.get("dataset_name"))
+
+    for task in tasks:
+        visit(task)
+    return out
+
+
+def dataset_cached(path: str, config: str | None, cache_dir: str) -> bool:
+    """Is hub dataset `path` (`config`) in the datasets cache where `datasets.load_dataset` finds it offline:
+    <cache>/<namespace>___<name>/<config>[-<kwargs hash>]/<version>/<hash>/ (its CachedDatasetModuleFactory)?"""
+    from datasets.naming import camelcase_to_snakecase
+
+    parts = path.split("/")
+    parts[-1] = camelcase_to_snakecase(parts[-1])
+    root = Path(cache_dir).expanduser() / "___".join(parts)
+    return any(p.is_dir() and (config is None or p.parts[-3] == config or p.parts[-3].startswith(config + "-"))
+               for p in root.glob("*/*/*"))
+
+
+def hub_unreachable(endpoint: str, timeout_s: float = 3.0) -> str | None:
+    """Why `endpoint` (the HF hub) does not answer within `timeout_s`, or None when it does (any HTTP status).
+    urllib honours https_proxy."""
+    try:
+        urllib.request.urlopen(urllib.request.Request(endpoint, method="HEAD"), timeout=timeout_s).close()
+    except urllib.error.HTTPError:
+        return None
+    except (OSError, ValueError) as e:  # URLError (DNS, refused), a timeout, a malformed HF_ENDPOINT
+        return str(getattr(e, "reason", None) or e)
+    return None
+
+
+def check_hub_data(manager, tasks: list[str], environ=os.environ) -> None:
+    """Fail at once (ConfigError) when a task's HF hub dataset is not in the local datasets cache and the hub is
+    off (HF_HUB_OFFLINE / HF_DATASETS_OFFLINE) or does not answer, instead of `datasets`' retries (~45 s) and a
+    ConnectionError traceback. Cached and local-data tasks pass; the hub is asked only about what is not cached."""
+    import datasets.config
+
+    from shardlm.errors import ConfigError
+
+    cache, endpoint = str(datasets.config.HF_DATASETS_CACHE), datasets.config.HF_ENDPOINT
+    missing = {t: d for t, d in hub_datasets(manager, tasks).items() if not dataset_cached(*d, cache)}
+    if not missing:
+        return
+    flags = [f"{k}={environ[k]}" for k in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE")
+             if environ.get(k, "").upper() in ("1", "ON", "YES", "TRUE")]
+    if flags or datasets.config.HF_HUB_OFFLINE:
+        why = f"the hub is off ({', '.join(flags) or 'offline mode'})"
+    elif down := hub_unreachable(endpoint):
+        why = f"{endpoint} does not answer ({down})"
+    else:
+        return
+    named = [f"{t} needs {path}" + (f" ({config})" if config else "") for t, (path, config) in missing.items()]
+    what = (f"task {named[0]} from the HF hub" if len(named) == 1 else f"{len(named)} tasks need data from the HF "
+            f"hub ({', '.join(named[:4])}{', ...' if len(named) > 4 else ''})")
+    raise ConfigError(f"{what}, not in the datasets cache ({cache}), and {why}; {HUB_FIX}")
+
+
 def run(args: argparse.Namespace, overrides: list[str]) -> int:
     from shardlm.config import load_config
     from shardlm.errors import ConfigError
@@ -102,6 +202,7 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
         for name in ("lm-eval", "lm_eval"):
             logging.getLogger(name).setLevel(logging.ERROR)
     manager = _task_manager(tasks, args.include_path)  # before the model: a typo fails fast
+    check_hub_data(manager, tasks)  # and so does hub data that cannot be had here
     inf = load_for_inference(hf=args.hf, checkpoint=args.checkpoint, cfg=cfg, tokenizer=args.tokenizer)
     try:
         if inf.is_rank0:
@@ -110,10 +211,13 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
         limit = int(args.limit) if args.limit is not None and args.limit >= 1 else args.limit
         seeds = {} if args.seed is None else {f"{k}_seed": args.seed for k in ("random", "numpy_random",
                                                                                "torch_random", "fewshot_random")}
-        results = evaluator.simple_evaluate(
-            model=lm, tasks=tasks, num_fewshot=args.num_fewshot, limit=limit, batch_size=args.batch_size,
-            task_manager=manager, log_samples=args.log_samples, bootstrap_iters=args.bootstrap_iters,
-            apply_chat_template=args.apply_chat_template, **seeds)
+        try:
+            results = evaluator.simple_evaluate(
+                model=lm, tasks=tasks, num_fewshot=args.num_fewshot, limit=limit, batch_size=args.batch_size,
+                task_manager=manager, log_samples=args.log_samples, bootstrap_iters=args.bootstrap_iters,
+                apply_chat_template=args.apply_chat_template, **seeds)
+        except ConnectionError as e:  # data check_hub_data cannot foresee (remote data_files, a custom loader)
+            raise ConfigError(f"a task's data could not be downloaded ({e}); {HUB_FIX}") from None
     finally:
         inf.close()
     if not inf.is_rank0 or results is None:

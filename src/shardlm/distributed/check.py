@@ -3,25 +3,31 @@
 Run it on a cluster node before launching; paste its output into a bug report. It reports versions
 (torch, CUDA, NCCL, Python), the launcher's variables (torchrun, SLURM) and the ranks per node they
 imply, the GPUs and how they reach each other (`nvidia-smi topo -m`, `can_device_access_peer`), the
-network (netdevs and IB/RoCE/EFA ports from /sys), NCCL's config files and the NCCL/torch/CUDA
-variables set. Then the problems: settings known to hurt when wrong (docs: cluster-env 1.8), checked
-against what this node has. A setting whose hardware is absent is not a problem here
-(`NCCL_IB_DISABLE=1` on a node without IB is fine). NCCL's own rules (its list syntax, which config
-files it reads and how) and the /sys readers come from shardlm.distributed.nccl, shared with the presets.
+network (netdevs and IB/RoCE/EFA ports from /sys), NCCL's config files and the NCCL/torch/CUDA/gloo
+variables set. Then the problems: settings known to hurt when wrong (docs: cluster-env 1.8) and values
+that stop the process group from starting (a GLOO_SOCKET_IFNAME naming no interface, a
+TORCH_NCCL_ASYNC_ERROR_HANDLING that is no mode), checked against what this node has. A setting whose
+hardware is absent is not a problem here (`NCCL_IB_DISABLE=1` on a node without IB is fine). NCCL's own
+rules (its list syntax, which config files it reads and how) and the /sys readers come from
+shardlm.distributed.nccl, shared with the presets. gloo's rules live here: `start_problems` is also what
+`init_distributed` checks before the process group starts, so a run fails with one line instead of gloo's
+or torch's traceback.
 
 Absent is a fact to report, never an exception: every probe works on a CPU-only machine. Every probe
-is injectable (`run_check(sysfs=, environ=, run=, nccl_conf=, gpus=, versions=, lib_dirs=)`) so the
-checks are tested on fake /sys trees.
+is injectable (`run_check(sysfs=, environ=, run=, nccl_conf=, gpus=, versions=, lib_dirs=, ifaddrs=)`) so
+the checks are tested on fake /sys trees.
 """
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import platform
 import re
 import socket
 import subprocess
+import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping
@@ -37,7 +43,7 @@ SLURM_VARS = ("SLURM_JOB_ID", "SLURM_JOB_NUM_NODES", "SLURM_NNODES", "SLURM_JOB_
               "SLURM_NTASKS_PER_NODE", "SLURM_TASKS_PER_NODE", "SLURM_PROCID", "SLURM_LOCALID", "SLURM_NODEID",
               "SLURM_GPUS_ON_NODE", "SLURM_GPUS_PER_NODE", "SLURM_STEP_GPUS", "SLURM_JOB_GPUS",
               "SLURM_CPUS_PER_TASK")
-ENV_PREFIXES = ("NCCL_", "TORCH_NCCL_", "TORCH_FR_", "CUDA_", "FI_")
+ENV_PREFIXES = ("NCCL_", "TORCH_NCCL_", "TORCH_FR_", "CUDA_", "FI_", "GLOO_")
 NCCL_BUILTIN_NETS = ("ib", "socket")
 LIB_DIRS = ("/usr/lib", "/usr/lib64", "/usr/local/lib", "/usr/local/lib64", "/usr/lib/x86_64-linux-gnu",
             "/usr/lib/aarch64-linux-gnu", "/opt/amazon/ofi-nccl/lib", "/opt/amazon/ofi-nccl/lib64",
@@ -258,6 +264,42 @@ def default_lib_dirs(environ: Mapping[str, str]) -> list[Path]:
     return [Path(d) for d in dict.fromkeys([*dirs, *LIB_DIRS])]
 
 
+class _IfAddrs(ctypes.Structure):
+    """glibc's `struct ifaddrs` (getifaddrs(3)), up to what is read here."""
+
+
+_IfAddrs._fields_ = [("next", ctypes.POINTER(_IfAddrs)), ("name", ctypes.c_char_p), ("flags", ctypes.c_uint),
+                     ("addr", ctypes.c_void_p)]
+
+
+def interface_addresses() -> dict[str, list[str]] | None:
+    """Each network interface -> its IP address families ("ipv4", "ipv6"; [] for none), read with getifaddrs(3)
+    as gloo reads them; None where they cannot be read (not Linux, no libc)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(None)
+        head = ctypes.POINTER(_IfAddrs)()
+        if libc.getifaddrs(ctypes.byref(head)) != 0:
+            return None
+    except (OSError, AttributeError):
+        return None
+    kinds = {socket.AF_INET: "ipv4", socket.AF_INET6: "ipv6"}
+    out: dict[str, list[str]] = {}
+    try:
+        entry = head
+        while entry:
+            families = out.setdefault(entry.contents.name.decode(errors="replace"), [])
+            addr = entry.contents.addr  # a sockaddr: sa_family (unsigned short on Linux) comes first
+            kind = kinds.get(ctypes.c_ushort.from_address(addr).value) if addr else None
+            if kind and kind not in families:
+                families.append(kind)
+            entry = entry.contents.next
+    finally:
+        libc.freeifaddrs(head)
+    return out
+
+
 # --- problems ---------------------------------------------------------------------------------------
 
 def _torch_older_than(version: str | None, major: int, minor: int) -> bool:
@@ -280,6 +322,7 @@ class _Node:
     nccl: dict[str, tuple[str, str]]
     environ: Mapping[str, str]
     lib_dirs: list[Path]
+    ifaces: dict[str, list[str]] | None  # interface -> its IP address families (None: unknown)
 
     def setting(self, key: str) -> str | None:
         return self.nccl[key][0] if key in self.nccl else None
@@ -365,8 +408,31 @@ def _nccl_net(node: _Node) -> Iterator[Problem]:
                       "install the plugin or add its directory to LD_LIBRARY_PATH, or unset NCCL_NET")
 
 
+ASYNC_ERROR_HANDLING = ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "NCCL_ASYNC_ERROR_HANDLING")  # the second: the old name
+ASYNC_MODES = "0 no handling, 1 abort and tear down, 2 abort only, 3 tear down without abort"  # ProcessGroupNCCL.hpp
+
+
+def async_error_handling_problems(environ: Mapping[str, str]) -> Iterator[Problem]:
+    """Each of torch's two names whose value is no error-handling mode. torch reads both with std::stoi (leading
+    blanks and a sign, then digits; the rest ignored) and fails at ProcessGroupNCCL's start on one without an
+    integer; a number outside 0-3 is no mode it knows."""
+    for key in ASYNC_ERROR_HANDLING:
+        value = environ.get(key)
+        m = re.match(r"[ \t\n\v\f\r]*([+-]?\d+)", value or "")
+        if value is None or m and 0 <= int(m.group(1)) <= 3:
+            continue
+        effect = ("it is no mode torch knows" if m else
+                  "on GPUs the NCCL process group fails to start (`Invalid value for environment variable`)")
+        yield Problem(f"{key}={value} is not an integer 0-3 ({ASYNC_MODES}): {effect}",
+                      f"set {key}=3 (torch's default) or unset it")
+
+
+def _async_error_handling_mode(node: _Node) -> Iterator[Problem]:
+    yield from async_error_handling_problems(node.environ)
+
+
 def _async_error_handling(node: _Node) -> Iterator[Problem]:
-    for key in ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "NCCL_ASYNC_ERROR_HANDLING"):  # the second: torch's old name
+    for key in ASYNC_ERROR_HANDLING:
         if node.environ.get(key, "").strip() == "1":
             yield Problem(f"{key}=1 aborts without a flight-recorder dump, so a hang leaves no trace",
                           f"set {key}=3 (the default) or unset it")
@@ -382,8 +448,79 @@ def _alloc_conf(node: _Node) -> Iterator[Problem]:
                       f"set PYTORCH_CUDA_ALLOC_CONF={new} as well")
 
 
-CHECKS = (_socket_ifname, _ib_hca, _ib_disable, _p2p, _max_connections, _ranks_vs_gpus, _nccl_net,
-          _async_error_handling, _alloc_conf)
+def _conf_file(node: _Node) -> Iterator[Problem]:
+    """NCCL_CONF_FILE that NCCL cannot read: it skips it without a word, and reads no ~/.nccl.conf instead."""
+    name = node.environ.get("NCCL_CONF_FILE")
+    if not name:  # unset or empty: NCCL reads ~/.nccl.conf
+        return
+    try:
+        with open(name, "rb"):
+            return
+    except IsADirectoryError:
+        why = "is a directory"
+    except FileNotFoundError:
+        why = "does not exist"
+    except OSError as e:
+        why = f"cannot be read ({e.strerror or type(e).__name__})"
+    yield Problem(f"NCCL_CONF_FILE={name} {why}: NCCL skips it without a word (and reads no ~/.nccl.conf "
+                  "instead), so none of the settings meant to be in it apply",
+                  "point it at a readable file of NAME=value lines, or unset it")
+
+
+# --- gloo: shardlm's CPU backend, and on GPUs the backend of its host-side and async-checkpoint groups --------
+
+def gloo_ifname_problem(environ: Mapping[str, str], ifaces: dict[str, list[str]] | None) -> Problem | None:
+    """A GLOO_SOCKET_IFNAME that gloo cannot bind to; None when it can, when it is unset, or when the
+    interfaces are unknown (`ifaces` None).
+
+    As torch reads it (ProcessGroupGloo, gloo's tcp device): ignored when of one character or none; else a
+    comma-separated list of exact interface names (no NCCL prefixes, `^` or `=`; a trailing comma is dropped,
+    an empty name fails), each of which must have an IPv4 or IPv6 address (`Unable to find address for: X`).
+    """
+    spec = environ.get("GLOO_SOCKET_IFNAME")
+    if spec is None or len(spec) <= 1 or ifaces is None:
+        return None
+    names = spec.split(",")
+    if names[-1] == "":  # torch splits with std::getline: no empty last piece
+        names.pop()
+    bad = [_gloo_missing(n, ifaces) for n in names if not ifaces.get(n)]
+    if not bad:
+        return None
+    usable = [n for n, families in ifaces.items() if families]
+    example = next((n for n in usable if not n.startswith("lo")), "eth0")
+    return Problem(f"GLOO_SOCKET_IFNAME={spec}: {'; '.join(bad)} (interfaces with an address here: "
+                   f"{', '.join(usable) or 'none'}): gloo fails to start (shardlm's CPU backend, and its host-side "
+                   "and async-checkpoint groups on GPUs)",
+                   "set it to exact interface names with an address on every node, comma-separated (e.g. "
+                   f"`{example}`), or unset it so gloo binds to the address of this host's name")
+
+
+def _gloo_missing(name: str, ifaces: dict[str, list[str]]) -> str:
+    if not name:
+        return "an empty name"
+    if name in ifaces:
+        return f"{name} has no IP address"
+    hint = (" (gloo takes exact names: no NCCL `^`/`=` forms or prefixes)" if name.startswith(("^", "="))
+            or any(n.startswith(name) for n in ifaces) else " (gloo keeps spaces as part of a name)" if " " in name
+            else "")
+    return f"no interface {name}{hint}"
+
+
+def _gloo_socket_ifname(node: _Node) -> Iterator[Problem]:
+    if problem := gloo_ifname_problem(node.environ, node.ifaces):
+        yield problem
+
+
+def start_problems(environ: Mapping[str, str], cuda: bool,
+                   ifaces: Callable[[], dict[str, list[str]] | None] = interface_addresses) -> list[Problem]:
+    """What would stop `init_process_group` with a traceback, checked before it starts: gloo's interface (CPU
+    and GPU: gloo runs on both) and, with CUDA, torch's NCCL error-handling mode."""
+    gloo = gloo_ifname_problem(environ, ifaces()) if "GLOO_SOCKET_IFNAME" in environ else None
+    return [p for p in [gloo] if p] + (list(async_error_handling_problems(environ)) if cuda else [])
+
+
+CHECKS = (_socket_ifname, _gloo_socket_ifname, _ib_hca, _ib_disable, _p2p, _max_connections, _ranks_vs_gpus,
+          _nccl_net, _conf_file, _async_error_handling_mode, _async_error_handling, _alloc_conf)
 
 
 # --- the check ------------------------------------------------------------------------------------
@@ -392,7 +529,8 @@ def run_check(sysfs: Path = Path("/sys"), environ: Mapping[str, str] = os.enviro
               run: Runner = run_subprocess, nccl_conf: list[Path] | None = None,
               gpus: Callable[[], dict[str, Any]] = probe_gpus,
               versions: Callable[[], dict[str, Any]] = probe_versions,
-              lib_dirs: list[Path] | None = None) -> CheckReport:
+              lib_dirs: list[Path] | None = None,
+              ifaddrs: Callable[[], dict[str, list[str]] | None] = interface_addresses) -> CheckReport:
     """Probe this node and check its settings (see the module docstring). Never raises for what is absent."""
     environ = dict(environ)
     gpu_facts = gpus()
@@ -406,10 +544,11 @@ def run_check(sysfs: Path = Path("/sys"), environ: Mapping[str, str] = os.enviro
         "network": _network(sysfs),
         "nccl_conf": _conf_section(conf_files),
         "environment": _selected_env(environ) or "(none of NCCL_*, TORCH_NCCL_*, CUDA_*, PYTORCH_*ALLOC_CONF, "
-                                                "FI_* set)",
+                                                "FI_*, GLOO_* set)",
     }
-    node = _Node(sections, nccl, environ, default_lib_dirs(environ) if lib_dirs is None else lib_dirs)
+    node = _Node(sections, nccl, environ, default_lib_dirs(environ) if lib_dirs is None else lib_dirs, ifaddrs())
     return CheckReport(sections, [p for check in CHECKS for p in check(node)])
 
 
-__all__ = ["CheckReport", "Problem", "probe_gpus", "probe_versions", "run_check", "run_subprocess"]
+__all__ = ["CheckReport", "Problem", "async_error_handling_problems", "gloo_ifname_problem", "interface_addresses",
+           "probe_gpus", "probe_versions", "run_check", "run_subprocess", "start_problems"]

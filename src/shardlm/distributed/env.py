@@ -12,6 +12,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from shardlm._torch_compat import release_mesh_groups
+from shardlm.distributed.check import start_problems
 from shardlm.errors import ConfigError
 
 
@@ -46,11 +47,15 @@ def init_distributed(device: str = "auto", timeout_s: float | None = None) -> Di
     """Join the process group torchrun set up (NCCL on CUDA, gloo on CPU), or make a 1-rank one.
 
     `timeout_s` is every collective's timeout until it is lowered after the first step
-    (parallel.init_timeout_s: it must cover compile, data preparation and the checkpoint load)."""
+    (parallel.init_timeout_s: it must cover compile, data preparation and the checkpoint load).
+
+    A setting that would stop the process group with gloo's or torch's traceback (a GLOO_SOCKET_IFNAME naming
+    no interface here, a TORCH_NCCL_ASYNC_ERROR_HANDLING that is no mode: check.start_problems) is a
+    ConfigError first. gloo runs on GPUs too (the host-side group here, the async-checkpoint group later): a
+    bad GLOO_SOCKET_IFNAME stops a GPU run here, before any checkpoint exists."""
     use_cuda = device_type(device) == "cuda"
     timeout = {} if timeout_s is None else {"timeout": timedelta(seconds=timeout_s)}
     launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
-    rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if use_cuda:
         dev = torch.device("cuda", local_rank)
@@ -59,6 +64,8 @@ def init_distributed(device: str = "auto", timeout_s: float | None = None) -> Di
     else:
         dev, backend = torch.device("cpu"), "gloo"
     if not dist.is_initialized():
+        if problems := start_problems(os.environ, cuda=use_cuda):
+            raise ConfigError(str(problems[0]))
         if launched:
             dist.init_process_group(backend, device_id=dev if use_cuda else None, **timeout)
         else:

@@ -24,6 +24,7 @@ from shardlm.data import MixtureLoader, build_loader, load_tokenizer, open_store
 from shardlm.data.loader import IGNORE_INDEX, open_val_store
 from shardlm.data.store import is_store
 from shardlm.models.llama import document_attention_backend
+from shardlm.distributed.check import start_problems
 from shardlm.distributed.nccl import apply_env
 from shardlm.distributed.preflight import StepTimes, preflight, step_time_slots
 from shardlm.distributed.watchdog import Watchdog, heartbeat_store, install_test_stall, launcher_of, set_timeouts
@@ -109,6 +110,8 @@ class Trainer:
         warnings: list[str] = []
         self.model_cfg = build_model_config(cfg, self.tokenizer.vocab_size, warn=warnings.append)
         dev_type = device_type(cfg.train.device)
+        if problems := start_problems(os.environ, cuda=dev_type == "cuda"):  # before a long data preparation
+            raise ConfigError(str(problems[0]))
         self.dims, self.dims_reason = resolve_dims(
             cfg.parallel, topo, lambda: model_state_bytes(cfg, self.model_cfg, dev_type),
             device_memory_bytes(dev_type, int(os.environ.get("LOCAL_RANK", "0")), topo.ranks_per_node))
