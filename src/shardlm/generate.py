@@ -1,6 +1,6 @@
 """Decoding: prompts in, new tokens out, with a KV cache; one process, or every rank of a sharded model.
 
-    generate_batch(model, prompts, max_new_tokens, sampling=Sampling(...), stop_ids=...) -> [Completion]
+    generate_batch(model, prompts, max_new_tokens, sampling=Sampling(...), stop_ids=..., on_token=...) -> [Completion]
 
 How a batch runs: the prompts (token ids) are left-padded into one (B, T) tensor and run once (the
 prefill) into a `KVCache`; then each step feeds one token per row, so a step costs one token's forward
@@ -13,26 +13,34 @@ Choosing the next token, per row, on the host in fp32: greedy (argmax, the first
 smallest set of tokens whose probability reaches top_p; `transformers`' warpers, in that order), then a
 draw from a generator seeded by (seed, the prompt's index). So a prompt's sample depends on the seed and
 its place in the list, not on the batch size or its neighbours. A row stops at the first stop id (it is
-kept, as `transformers` keeps EOS) or after `max_new_tokens`.
+kept, as `transformers` keeps EOS), after `max_new_tokens`, or when it fills the context.
 
 Sharded models (FSDP): every rank must call this with the same prompts and settings. All ranks run the
 same forwards in lockstep (each block all-gathers its parameters) and rank 0's tokens are broadcast
 every step, so the ranks can never drift apart, even where their logits differed in the last bit.
 
-`context` bounds what a row reads: a row longer than that reads only its last `context` tokens (the
-window is re-read from position 0 whenever it moves, which is what training at that length saw).
-`use_cache=False` recomputes the whole window for every token through the training forward (no cache
-at all): the reference the cache is tested against, and the baseline of benchmarks/generate.py.
+The context (default: the model's max_seq_len, its RoPE table; never more) bounds each row: prompt + new
+tokens <= context, so a row that reaches it ends there (finish "context"), and a prompt that leaves no room
+for one new token is a ConfigError. `check_context` gives the one warning line to show beforehand.
+Positions past the context were never trained: a row does not silently run on into them.
+
+Streaming: `on_token(i, id)` is called for each new token of prompt i as soon as it is chosen (every rank
+alike); `TextStream` turns those ids into text pieces that are safe to print (whole characters and words).
+`use_cache=False` recomputes the whole row for every token through the training forward (no cache at
+all): the reference the cache is tested against, and the baseline of benchmarks/generate.py.
 """
 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Sequence
+from typing import Any
 
 import torch
 from torch import nn
+
+from shardlm.errors import ConfigError
 
 Message = dict[str, str]
 
@@ -71,7 +79,7 @@ class Completion:
 
     prompt: list[int]
     ids: list[int] = field(default_factory=list)
-    finish: str = "length"  # "stop": a stop id was generated; "length": max_new_tokens reached
+    finish: str = "length"  # "stop": a stop id was generated; "length": max_new_tokens; "context": the context is full
 
     @property
     def text_ids(self) -> list[int]:
@@ -144,6 +152,64 @@ def encode_prompt(tokenizer, prompt: str | list[Message], template: Any = None) 
     return ids or [tokenizer.eos_id]
 
 
+# -- the context -------------------------------------------------------------------------------------
+def check_context(prompts: Sequence[Sequence[int]], max_new_tokens: int, context: int,
+                  flag: str = "max_new_tokens") -> str | None:
+    """The one warning line to show when some prompt + `max_new_tokens` runs past `context` (those rows stop
+    there), else None; `flag` names the setting in it. ConfigError, naming both numbers, when a prompt leaves
+    no room for a new token."""
+    for i, p in enumerate(prompts):
+        if len(p) >= context:
+            which = "the prompt" if len(prompts) == 1 else f"prompt {i + 1}"
+            raise ConfigError(f"{which} has {len(p)} tokens and the model's context is {context}: no room for a "
+                              f"new token; shorten it to at most {context - 1} tokens")
+    longest = max((len(p) for p in prompts), default=0)
+    if longest + max_new_tokens <= context:
+        return None
+    room = context - longest
+    if len(prompts) == 1:
+        where, outcome = f"prompt {longest}", f"stopping at {room} new tokens"
+    else:
+        over = sum(len(p) + max_new_tokens > context for p in prompts)
+        where, outcome = (f"{over} of {len(prompts)} prompts, the longest {longest}",
+                          f"they stop there ({room} new tokens for the longest)")
+    return (f"{flag} {max_new_tokens} runs past the model's context of {context} tokens ({where}): {outcome}; "
+            f"ask for at most {room} to fit")
+
+
+class TextStream:
+    """Token ids in, printable text out as it becomes stable (the prefix/read offsets of TGI and vLLM).
+
+    A piece is what decoding the ids since the last piece adds to the text, with the few ids before them as
+    context (so a tokenizer that drops a leading space at the start of a text keeps it here). Nothing comes
+    out while the text ends in U+FFFD (a UTF-8 character still split across ids), so the pieces joined equal
+    decoding all the ids at once. `skip` ids (the stop ids, which a completion's text leaves out) are dropped.
+    """
+
+    def __init__(self, tokenizer, skip: Iterable[int] = ()):
+        self.tokenizer, self.skip = tokenizer, frozenset(skip)
+        self.ids: list[int] = []
+        self.prefix = self.read = 0  # ids[prefix:read] decoded last time; ids[read:] not printed yet
+
+    def push(self, token: int) -> str:
+        """The text `token` completes ('' while a character is still open or it decodes to nothing)."""
+        if token in self.skip:
+            return ""
+        self.ids.append(token)
+        if self.tokenizer.decode(self.ids[self.prefix:]).endswith("\ufffd"):
+            return ""
+        return self.flush()
+
+    def flush(self) -> str:
+        """Whatever is left, complete or not (the end of the text)."""
+        before = self.tokenizer.decode(self.ids[self.prefix:self.read])
+        text = self.tokenizer.decode(self.ids[self.prefix:])
+        if len(text) <= len(before):
+            return ""
+        self.prefix, self.read = self.read, len(self.ids)
+        return text[len(before):]
+
+
 # -- the decoding loop --------------------------------------------------------------------------------
 def _left_pad(rows: Sequence[Sequence[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """(B, T) tokens, rows right-aligned (padding repeats the row's first token: never read), and (B,) pads."""
@@ -183,34 +249,39 @@ def _eager(model: nn.Module) -> contextlib.AbstractContextManager:
 
 def _decode(model: nn.Module, prompts: Sequence[Sequence[int]], indices: Sequence[int], max_new_tokens: int,
             sampling: Sampling, stop: frozenset[int], context: int, use_cache: bool, device: torch.device,
-            sync: bool) -> list[Completion]:
+            sync: bool, on_token: Callable[[int, int], None] | None) -> list[Completion]:
     """One batch: prefill, then one token per step for every row until each has stopped."""
     import torch.distributed as dist
 
     out = [Completion(prompt=list(p)) for p in prompts]
     seqs = [list(p) for p in prompts]
+    caps = [min(max_new_tokens, context - len(p)) for p in prompts]  # a row ends at the context
     done = [False] * len(prompts)
     gens = None if sampling.greedy else [row_generator(sampling.seed, i) for i in indices]
     cache = None
-    for step in range(max_new_tokens):
+    for _ in range(max(caps)):
         if not use_cache:
-            logits = _recompute_logits(model, [s[-context:] for s in seqs], device)
-        elif cache is not None and cache.length < cache.max_len:
-            logits = model(torch.tensor([[s[-1]] for s in seqs], device=device), cache=cache, last_only=True)
-        else:  # the prefill, or a window that moved: (re)read each row's last `context` tokens
-            tokens, pad = _left_pad([s[-context:] for s in seqs], device)
-            room = min(context, tokens.shape[1] + max_new_tokens - step - 1)  # the window + the steps still to feed
-            cache = model.new_cache(len(seqs), max(room, tokens.shape[1]), pad)
+            logits = _recompute_logits(model, seqs, device)
+        elif cache is None:  # the prefill: room for the prompts and every token still to feed
+            tokens, pad = _left_pad(seqs, device)
+            cache = model.new_cache(len(seqs), tokens.shape[1] + max(caps) - 1, pad)
             logits = model(tokens, cache=cache, last_only=True)
+        else:
+            logits = model(torch.tensor([[s[-1]] for s in seqs], device=device), cache=cache, last_only=True)
         nxt = next_tokens(logits[:, -1].float().cpu(), sampling, gens)
         if sync:  # rank 0 decides: every rank feeds the same tokens and stops at the same step
             dist.broadcast(nxt, src=0)
         for b, tok in enumerate(nxt.tolist()):
             seqs[b].append(tok)  # a finished row is fed on (its tokens are dropped): the batch stays rectangular
-            if not done[b]:
-                out[b].ids.append(tok)
-                if tok in stop:
-                    done[b], out[b].finish = True, "stop"
+            if done[b]:
+                continue
+            out[b].ids.append(tok)
+            if tok in stop:
+                done[b], out[b].finish = True, "stop"
+            elif len(out[b].ids) == caps[b]:
+                done[b], out[b].finish = True, "length" if caps[b] == max_new_tokens else "context"
+            if on_token is not None:
+                on_token(indices[b], tok)
         if all(done):
             break
     return out
@@ -219,23 +290,28 @@ def _decode(model: nn.Module, prompts: Sequence[Sequence[int]], indices: Sequenc
 @torch.no_grad()
 def generate_batch(model: nn.Module, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
                    sampling: Sampling = Sampling(), stop_ids: Iterable[int] = (), context: int | None = None,
-                   use_cache: bool = True, batch_size: int | None = None,
-                   device: torch.device | None = None) -> list[Completion]:
+                   use_cache: bool = True, batch_size: int | None = None, device: torch.device | None = None,
+                   on_token: Callable[[int, int], None] | None = None) -> list[Completion]:
     """Continue each prompt (token ids) by up to `max_new_tokens` tokens; one Completion per prompt, in order.
 
     `model` is our Transformer (plain, or FSDP-sharded: then every rank calls this alike). `stop_ids` end a
-    row; `context` (default: the model's max_seq_len) bounds the tokens a row reads; `batch_size` prompts
-    run at once (default: all); `device`: where the tokens go (default: the parameters'). `use_cache=False`
-    recomputes every step without a cache. The model runs in eval mode and is put back as it was.
+    row; `context` (default and most: the model's max_seq_len) bounds prompt + new tokens, a prompt that
+    fills it is a ConfigError (`check_context`); `batch_size` prompts run at once (default: all); `device`:
+    where the tokens go (default: the parameters'); `on_token(i, id)`: each new token of prompt i as it is
+    chosen. `use_cache=False` recomputes every step without a cache. The model runs in eval mode and is put
+    back as it was.
     """
     prompts = [list(p) for p in prompts]
     if any(not p for p in prompts):
         raise ValueError("generate needs at least one prompt token (see prompt_ids)")
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    if context is not None and not 0 < context <= model.cfg.max_seq_len:
+        raise ValueError(f"context must be in [1, {model.cfg.max_seq_len}] (the model's RoPE table), got {context}")
+    context = context or model.cfg.max_seq_len
+    check_context(prompts, max_new_tokens, context)
     if not prompts or max_new_tokens == 0:
         return [Completion(prompt=p) for p in prompts]
-    context = context or model.cfg.max_seq_len
     device = device or next(model.parameters()).device
     sync, stop = _is_sharded(model), frozenset(stop_ids)
     order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))  # longest first: less padding
@@ -248,7 +324,7 @@ def generate_batch(model: nn.Module, prompts: Sequence[Sequence[int]], max_new_t
             for start in range(0, len(order), size):
                 chunk = order[start:start + size]
                 done = _decode(model, [prompts[i] for i in chunk], chunk, max_new_tokens, sampling, stop, context,
-                               use_cache, device, sync)
+                               use_cache, device, sync, on_token)
                 for i, c in zip(chunk, done):
                     results[i] = c
     finally:
@@ -261,8 +337,9 @@ def generate(model: nn.Module, prompt: list[int], max_new_tokens: int, context: 
              device: torch.device | None = None, stop_ids: Iterable[int] = (), use_cache: bool = True) -> list[int]:
     """One prompt: the prompt's ids followed by the new ones (the end-of-training sample calls this).
 
-    `generate_batch` with one row; `context`: the longest window the model reads (the trainer passes
-    data.seq_len: past it, each token re-reads the last `context` tokens). Under FSDP every rank calls it.
+    `generate_batch` with one row; `context`: the most tokens prompt + new may reach (the trainer passes
+    data.seq_len; `check_context` gives the warning to show when it cuts the sample short). Under FSDP every
+    rank calls it.
     """
     if not prompt:
         raise ValueError("generate needs at least one prompt token (see prompt_ids)")

@@ -21,7 +21,8 @@ What it reads:
                   takes its base from the HF folder it records. The tokenizer is the one the run trained
                   with (as recorded in the checkpoint).
 Context (`Inference.context`, RoPE table length): the HF folder's max_position_embeddings; for a checkpoint,
-its HF base's when it records one, else the sequence length it was trained at.
+its HF base's when it records one, else the sequence length it was trained at. Generation stops there (prompt
++ new tokens <= context; `generate.check_context` words the warning).
 Stop ids: the tokenizer's end-of-text id, the EOS ids of the model folder's generation_config.json (else
 config.json), and the chat template's end-of-turn tokens (`<|im_end|>`, `<|eot_id|>`, ...) in the vocab.
 """
@@ -60,7 +61,7 @@ class Inference:
     model_cfg: ModelConfig
     device: torch.device
     precision: str  # "fp32" | "bf16": the compute dtype
-    context: int  # the longest window the model reads
+    context: int  # the most tokens a row may reach, prompt + new (the RoPE table)
     stop_ids: tuple[int, ...]
     template: Any  # the tokenizer folder's ChatTemplate, or None
     source: str  # "hf:/dir" or "checkpoint:/dir", plus what was merged

@@ -1,6 +1,8 @@
 """Decoding: the KV cache equals recomputing everything (fp32, every step, GQA + qk_norm, left padding), greedy
 equals `transformers`' greedy `generate` token for token (tiny Llama, Qwen2, Qwen3; from the HF folder and from
-a DCP checkpoint), seeded sampling is reproducible, and top-k / top-p are `transformers`' warpers."""
+a DCP checkpoint), seeded sampling is reproducible, and top-k / top-p are `transformers`' warpers. Rows stop at
+the context (one warning line beforehand; a prompt that fills it is a ConfigError), tokens are handed out as they
+are chosen, and `TextStream` turns them into text pieces that join up to the whole text."""
 
 from __future__ import annotations
 
@@ -9,9 +11,13 @@ import dataclasses
 import pytest
 import torch
 
+from shardlm.data.tokenizer import ByteTokenizer
+from shardlm.errors import ConfigError
 from shardlm.generate import (
     Completion,
     Sampling,
+    TextStream,
+    check_context,
     encode_prompt,
     generate,
     generate_batch,
@@ -23,7 +29,7 @@ from shardlm.models.llama import ModelConfig, Transformer
 GQA = ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, vocab_size=61, max_seq_len=64,
                   qk_norm=True, qkv_bias=True)
 MHA_TIED = dataclasses.replace(GQA, n_kv_heads=4, qk_norm=False, qkv_bias=False, tie_embeddings=True)
-TOL = dict(rtol=0, atol=1e-5)
+TOL = {"rtol": 0, "atol": 1e-5}
 
 
 def _model(cfg: ModelConfig, seed: int = 0) -> Transformer:
@@ -101,11 +107,12 @@ def test_cache_decoding_equals_recompute_decoding(sampling):
         [c.ids for c in cached]
     assert [c.ids for c in generate_batch(model, PROMPTS, 20, sampling=sampling, batch_size=2)] == \
         [c.ids for c in cached]
-    # past `context` tokens the window moves: the cache re-reads it, as the recomputation does
+    # rows stop at the context (8 + 4, 1 + 11, 4 + 8 tokens), the cache as the recomputation, each row as it began
     short = generate_batch(model, PROMPTS, 20, sampling=sampling, context=12)
     assert [c.ids for c in short] == [c.ids for c in generate_batch(model, PROMPTS, 20, sampling=sampling,
                                                                      context=12, use_cache=False)]
-    assert short[0].ids != cached[0].ids  # the window did bite
+    assert [c.ids for c in short] == [c.ids[:n] for c, n in zip(cached, (4, 11, 8))]
+    assert all(c.finish == "context" for c in short)
 
 
 def test_seeded_sampling_is_reproducible_and_seeds_differ():
@@ -122,6 +129,70 @@ def test_seeded_sampling_is_reproducible_and_seeds_differ():
     # the end-of-training sample's call: prompt + new ids, deterministic per seed
     one = generate(model, [1, 2, 3], 10, 16, seed=5)
     assert one == generate(model, [1, 2, 3], 10, 16, seed=5) and len(one) == 13 and one[:3] == [1, 2, 3]
+
+
+def test_rows_stop_at_the_models_context_and_a_prompt_that_fills_it_is_one_error():
+    model = _model(GQA)  # RoPE table: 64 positions
+    free = generate_batch(model, PROMPTS, 20)
+    (c,) = generate_batch(model, [PROMPTS[0]], 4, context=12)  # 8 + 4 fits exactly: it ran to max_new_tokens
+    assert c.ids == free[0].ids[:4] and c.finish == "length"
+    (c,) = generate_batch(model, [[1, 2] * 30], 100_000_000)  # default: the model's 64 positions, not past them
+    assert len(c.ids) == 4 and c.finish == "context"
+    assert len(generate(model, [1, 2, 3], 100, 16)) == 16  # the end-of-training sample: prompt + new <= context
+    with pytest.raises(ConfigError, match="prompt 2 has 12 tokens and the model's context is 12: no room"):
+        generate_batch(model, [[1], [1] * 12], 3, context=12)
+    with pytest.raises(ConfigError, match="the prompt has 70 tokens and the model's context is 64"):
+        generate(model, [1] * 70, 3)
+    with pytest.raises(ValueError, match=r"context must be in \[1, 64\] \(the model's RoPE table\), got 65"):
+        generate_batch(model, [[1]], 3, context=65)
+
+
+def test_the_context_warning_names_both_numbers_and_the_fit():
+    assert check_context([[0] * 12], 100_000_000, 2048, "--max-new-tokens") == (
+        "--max-new-tokens 100000000 runs past the model's context of 2048 tokens (prompt 12): stopping at 2036 new "
+        "tokens; ask for at most 2036 to fit")
+    assert check_context([[0] * 12], 2036, 2048) is None
+    assert check_context([[0] * 5, [0] * 40, [0] * 2], 20, 50) == (
+        "max_new_tokens 20 runs past the model's context of 50 tokens (1 of 3 prompts, the longest 40): they stop "
+        "there (10 new tokens for the longest); ask for at most 10 to fit")
+
+
+def test_each_token_is_handed_out_as_it_is_chosen():
+    model = _model(GQA)
+    seen: list[tuple[int, int]] = []
+    stop = generate_batch(model, PROMPTS, 6)[1].ids[2]
+    got = generate_batch(model, PROMPTS, 6, batch_size=2, stop_ids=[stop], on_token=lambda i, t: seen.append((i, t)))
+    assert [[t for j, t in seen if j == i] for i in range(3)] == [c.ids for c in got]  # a stopped row: no more
+    assert got[1].finish == "stop" and len(got[1].ids) <= 3 and len(seen) == sum(len(c.ids) for c in got)
+
+    def stop_early(i: int, t: int) -> None:  # what Ctrl-C does inside the callback: decoding ends there
+        raise KeyboardInterrupt
+
+    model.train()
+    with pytest.raises(KeyboardInterrupt):
+        generate_batch(model, PROMPTS, 6, on_token=stop_early)
+    assert model.training  # put back as it was
+
+
+def test_text_stream_prints_whole_characters_and_joins_up_to_the_text():
+    tok = ByteTokenizer()
+    text = "aé€😀 b"
+    stream = TextStream(tok, skip=[tok.eos_id])
+    pieces = [stream.push(b) for b in [*text.encode(), tok.eos_id]]
+    assert "".join(pieces) + stream.flush() == text and not any("\ufffd" in p for p in pieces)
+    assert pieces[:3] == ["a", "", "é"]  # é's first byte alone is not a character yet
+    cut = list("a€".encode())[:-1]  # the text ends inside a character: flush gives what decoding all of it gives
+    stream = TextStream(tok)
+    assert "".join(stream.push(b) for b in cut) + stream.flush() == tok.decode(cut)
+
+    class Sentencepiece:  # "▁" is a space, and a text's first space is dropped
+        vocab = ("▁Hello", "▁wor", "ld", "!")
+
+        def decode(self, ids: list[int]) -> str:
+            return "".join(self.vocab[i] for i in ids).replace("▁", " ").removeprefix(" ")
+
+    stream = TextStream(Sentencepiece())
+    assert [stream.push(i) for i in range(4)] == ["Hello", " wor", "ld", "!"]  # decoding one id at a time: "Hellowor"
 
 
 def test_stop_ids_end_a_row_and_keep_the_stop_token():
@@ -170,9 +241,9 @@ def test_prompts_are_encoded_as_in_training():
 
 
 # -- parity with transformers -------------------------------------------------------------------------
-HF_TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-               intermediate_size=128, vocab_size=300, max_position_embeddings=64, rms_norm_eps=1e-6,
-               initializer_range=0.3)
+HF_TINY = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+           "intermediate_size": 128, "vocab_size": 300, "max_position_embeddings": 64, "rms_norm_eps": 1e-6,
+           "initializer_range": 0.3}
 ARCHS = {"llama": {}, "qwen2": {}, "qwen3": {"head_dim": 32}}
 
 
@@ -198,4 +269,4 @@ def test_greedy_equals_transformers_generate_from_hf_and_from_dcp(arch, tmp_path
                 want = hf.generate(torch.tensor([p]), max_new_tokens=n, do_sample=False,
                                    eos_token_id=list(inf.stop_ids), pad_token_id=0)[0, len(p):].tolist()
             assert c.ids == want, (arch, source, p)
-        assert len(set(tuple(c.ids) for c in got)) == 3 and max(len(c.ids) for c in got) == n
+        assert len({tuple(c.ids) for c in got}) == 3 and max(len(c.ids) for c in got) == n

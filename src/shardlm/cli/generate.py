@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -27,11 +28,13 @@ def add_args(p: argparse.ArgumentParser) -> None:
         "are merged on the fly), decoding with a KV cache. Greedy by default (--temperature 0): the same ids as\n"
         "transformers' greedy generate on the same weights. Prompts go through the tokenizer's chat template\n"
         "when it has one. One process for a model that fits one device; under torchrun the model is sharded\n"
-        "(each rank reads only its shards) and every rank decodes in lockstep; rank 0 prints.")
+        "(each rank reads only its shards) and every rank decodes in lockstep; rank 0 prints. Prompt + new\n"
+        "tokens stop at the model's context (one warning line when --max-new-tokens runs past it).")
     p.epilog = ("--section.key=value overrides: train.device (auto/cpu/cuda), train.mixed_precision (auto = bf16 on\n"
-                "GPUs, fp32 on CPU), parallel.* under torchrun. Output: each completion after a `### prompt N` line,\n"
-                "or with --jsonl one object per prompt ({prompt, prompt_ids, ids, text, finish}); a summary line\n"
-                "with tokens/s goes to stderr.")
+                "GPUs, fp32 on CPU), parallel.* under torchrun. Output: one prompt's text streams to stdout as it is\n"
+                "made (Ctrl-C keeps it); several prompts print each completion after a `### prompt N` line when all\n"
+                "are done; --jsonl: one object per prompt ({prompt, prompt_ids, ids, text, finish: stop | length |\n"
+                "context}) at the end. A summary line with tokens/s goes to stderr.")
     add_model_source(p)
     p.add_argument("--prompt", action="append", default=[], metavar="TEXT", help="a prompt (repeat for several)")
     p.add_argument("--prompts-file", metavar="FILE",
@@ -81,10 +84,37 @@ def read_prompts(args: argparse.Namespace) -> list:
     return prompts
 
 
+class Printer:
+    """What goes to stdout while decoding: one prompt's text, piece by piece (`TextStream`), flushed at once;
+    nothing in the other modes (they print at the end). Counts the new tokens either way."""
+
+    def __init__(self, stream):
+        self.stream, self.tokens, self.printed = stream, 0, ""
+
+    def __call__(self, index: int, token: int) -> None:
+        self.tokens += 1
+        if self.stream is not None:
+            self.write(self.stream.push(token))
+
+    def write(self, piece: str) -> None:
+        if piece:
+            self.printed = piece  # first: Ctrl-C can land as the piece goes out, and the line must still end
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+
+    def end_line(self, rest: bool = True) -> None:
+        """The rest of the text (`rest`: a split character too), then a newline unless the text ended with one
+        or nothing was printed."""
+        if self.stream is not None and rest:
+            self.write(self.stream.flush())
+        if self.printed and not self.printed.endswith("\n"):
+            self.write("\n")
+
+
 def run(args: argparse.Namespace, overrides: list[str]) -> int:
     from shardlm.config import load_config
     from shardlm.errors import ConfigError
-    from shardlm.generate import Sampling, generate_batch
+    from shardlm.generate import Sampling, check_context
     from shardlm.inference import load_for_inference
 
     if args.max_new_tokens < 1 or args.batch_size < 1:
@@ -100,24 +130,54 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
         if inf.is_rank0:
             print(f"generate: {inf.describe()}", file=sys.stderr, flush=True)
         ids = [inf.encode(p, chat=not args.no_chat_template) for p in prompts]
+        warning = check_context(ids, args.max_new_tokens, inf.context, "--max-new-tokens")
+        if warning and inf.is_rank0:
+            print(f"generate: warning: {warning}", file=sys.stderr, flush=True)
+        streaming = inf.is_rank0 and len(prompts) == 1 and not args.jsonl
         start = time.perf_counter()
-        done = generate_batch(inf.model, ids, args.max_new_tokens, sampling=sampling, stop_ids=inf.stop_ids,
-                              context=inf.context, use_cache=not args.no_cache, batch_size=args.batch_size,
-                              device=inf.device)
-        elapsed = time.perf_counter() - start
-        if inf.is_rank0:
-            for i, (p, c) in enumerate(zip(prompts, done)):
-                text = inf.tokenizer.decode(c.text_ids)
-                if args.jsonl:
-                    print(json.dumps({"prompt": p, "prompt_ids": c.prompt, "ids": c.ids, "text": text,
-                                      "finish": c.finish}), flush=True)
-                else:
-                    print(f"### prompt {i + 1} ({len(c.ids)} tokens, {c.finish})\n{text}", flush=True)
-            n = sum(len(c.ids) for c in done)
-            print(f"generate: {len(done)} prompt{'s' if len(done) != 1 else ''}, {n} new tokens in {elapsed:.2f} s "
-                  f"({n / max(elapsed, 1e-9):.1f} tokens/s; {sampling.describe()}, "
-                  f"{'no cache' if args.no_cache else 'KV cache'}, batch {args.batch_size})", file=sys.stderr,
-                  flush=True)
+        done = decode(inf, ids, args, sampling, streaming)
+        if done is not None and inf.is_rank0:
+            print_results(prompts, done, inf.tokenizer, args, sampling, streaming, time.perf_counter() - start)
     finally:
         inf.close()
     return 0
+
+
+def decode(inf, ids: list[list[int]], args: argparse.Namespace, sampling, streaming: bool) -> list | None:
+    """The completions, one prompt's text streamed to stdout as it is made. Ctrl-C: Interrupted, with what was
+    printed kept and its line ended; None when stdout's reader has gone (`| head`)."""
+    from shardlm.errors import Interrupted
+    from shardlm.generate import TextStream, generate_batch
+
+    printer = Printer(TextStream(inf.tokenizer, skip=inf.stop_ids) if streaming else None)
+    try:
+        done = generate_batch(inf.model, ids, args.max_new_tokens, sampling=sampling, stop_ids=inf.stop_ids,
+                              context=inf.context, use_cache=not args.no_cache, batch_size=args.batch_size,
+                              device=inf.device, on_token=printer)
+        printer.end_line()
+        return done
+    except KeyboardInterrupt:
+        printer.end_line(rest=False)
+        kept = ("the text above is what was made" if streaming else
+                "nothing was printed (--jsonl and several prompts print when all are done)")
+        raise Interrupted(f"generate interrupted after {printer.tokens} new tokens; {kept}") from None
+    except BrokenPipeError:  # the reader has gone: stop quietly, as `cat` does
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return None
+
+
+def print_results(prompts: list, done: list, tokenizer, args: argparse.Namespace, sampling, streaming: bool,
+                  elapsed: float) -> None:
+    """--jsonl records or `### prompt N` blocks (a streamed text is out already), then the summary on stderr."""
+    for i, (p, c) in enumerate(zip(prompts, done)):
+        text = tokenizer.decode(c.text_ids)
+        if args.jsonl:
+            print(json.dumps({"prompt": p, "prompt_ids": c.prompt, "ids": c.ids, "text": text, "finish": c.finish}),
+                  flush=True)
+        elif not streaming:
+            print(f"### prompt {i + 1} ({len(c.ids)} tokens, {c.finish})\n{text}", flush=True)
+    n = sum(len(c.ids) for c in done)
+    ended = f" ({done[0].finish})" if len(done) == 1 else ""
+    print(f"generate: {len(done)} prompt{'s' if len(done) != 1 else ''}, {n} new tokens{ended} in {elapsed:.2f} s "
+          f"({n / max(elapsed, 1e-9):.1f} tokens/s; {sampling.describe()}, "
+          f"{'no cache' if args.no_cache else 'KV cache'}, batch {args.batch_size})", file=sys.stderr, flush=True)
