@@ -263,3 +263,36 @@ def test_dead_peer(tmp_path):
     assert "Connection reset by peer" in line or "Connection closed by peer" in line
     started = json.loads((tmp_path / "t0").read_text())[1]
     assert os.path.getmtime(tmp_path / "error0.json") - started < 4.0
+
+
+def _wandb_missing_on_rank0(tmp: str, corpus: str) -> None:
+    """metrics.wandb=true where only rank 0 lacks wandb: its setup step fails there alone."""
+    import sys
+
+    import torch.distributed as dist
+
+    from shardlm.config import load_config
+    from shardlm.train.trainer import Trainer
+
+    rank = int(os.environ["RANK"])
+    if rank == 0:
+        sys.modules["wandb"] = None  # an ImportError on rank 0 only
+    cfg = load_config(None, ["--model.preset=debug", f"--data.path={corpus}", "--data.seq_len=64",
+                             f"--data.cache_dir={tmp}/cache", f"--train.output_dir={tmp}/run", "--train.steps=2",
+                             "--train.micro_batch_size=2", "--metrics.wandb=true", "--metrics.progress_bar=false"])
+    try:
+        Trainer(cfg)
+        outcome = "started"
+    except Exception as e:  # noqa: BLE001 - the test reports what each rank raised
+        outcome = f"{type(e).__name__}: {e}"
+    Path(tmp, f"rank{rank}.txt").write_text(outcome)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def test_a_setup_step_only_rank_0_does_stops_every_rank_with_its_line(tmp_path, corpus):
+    """W&B (rank 0 only) fails: rank 1 used to wait in its next collective and report rank 0 as gone
+    ('collective failed ... waiting for rank 0'); now every rank raises rank 0's own line."""
+    run_ranks(2, _wandb_missing_on_rank0, str(tmp_path), str(corpus))
+    want = "ConfigError: metrics.wandb=true needs wandb (not installed): pip install 'shardlm[wandb]'"
+    assert [(tmp_path / f"rank{r}.txt").read_text() for r in (0, 1)] == [want, want]

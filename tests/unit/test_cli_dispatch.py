@@ -151,9 +151,25 @@ def test_presets_lists_every_preset(capsys):
     assert names == list(PRESETS)
 
 
-def test_convert_refuses_an_incomplete_checkpoint(capsys, tmp_path):
-    assert main(["convert", "dcp-to-hf", str(tmp_path), str(tmp_path / "out")]) == 2
-    assert f"{tmp_path} is not a complete shardlm checkpoint (no .metadata)" in _one_error_line(capsys)
+def test_convert_and_generate_say_the_same_of_a_path_that_is_no_checkpoint(capsys, tmp_path):
+    """Exit 5 (checkpoint missing or incomplete, as the README's table says) from every command, and the line
+    says which: a path that does not exist is not reported as a missing .metadata."""
+    ck = tmp_path / "checkpoints"
+    (ck / "step-4").mkdir(parents=True)
+    (ck / "step-4" / ".metadata").write_bytes(b"")
+    (ck / "step-6").mkdir()  # a save that did not finish
+    for argv in (["convert", "dcp-to-hf", "{}", str(tmp_path / "out")], ["generate", "--checkpoint", "{}", "--prompt", "hi"]):
+        def run(path):
+            assert main([a.format(path) for a in argv]) == 5, argv
+            return _one_error_line(capsys)
+
+        assert run(ck / "step-8") == f"shardlm: error: checkpoint {ck / 'step-8'} does not exist; pass a step-N " \
+                                     f"directory ({ck} holds step-4)"
+        assert run(ck / "step-6") == (f"shardlm: error: {ck / 'step-6'} is not a complete checkpoint (no .metadata: "
+                                      "not a checkpoint, or a save that did not finish); pass a step-N directory "
+                                      "that finished saving")
+        assert run(ck) == f"shardlm: error: {ck} is a folder of checkpoints, not one; pass a step-N directory " \
+                          f"({ck} holds step-4)"
 
 
 def test_help_lists_every_exit_code_and_the_readme_agrees(capsys):

@@ -71,10 +71,27 @@ def read_keys(path: Path) -> set[str]:
     return set(_metadata(path))
 
 
+def not_a_checkpoint(path: Path) -> CheckpointError | None:
+    """Why `path` is no complete checkpoint (it does not exist; it is a folder of checkpoints; it has no
+    .metadata: a save that did not finish), naming the checkpoints nearby; None when it is one."""
+    path = Path(path)
+    if (path / METADATA).is_file():
+        return None
+    here = path if path.is_dir() else path.parent
+    steps = sorted((p for p in here.glob("step-*") if (p / METADATA).is_file()), key=lambda p: step_of(p) or 0) \
+        if here.is_dir() else []
+    near = f" ({here} holds {', '.join(p.name for p in steps[-3:])})" if steps else ""
+    if not path.exists():
+        return CheckpointError(f"checkpoint {path} does not exist; pass a step-N directory{near}")
+    if path.is_dir() and steps:
+        return CheckpointError(f"{path} is a folder of checkpoints, not one; pass a step-N directory{near}")
+    return CheckpointError(f"{path} is not a complete checkpoint (no {METADATA}: not a checkpoint, or a save "
+                           f"that did not finish); pass a step-N directory that finished saving{near}")
+
+
 def _metadata(path: Path) -> dict[str, Any]:
-    if not (path / METADATA).is_file():
-        raise CheckpointError(f"{path} is not a complete checkpoint (no {METADATA}); pass a step-N directory "
-                              "that finished saving, or checkpoint.resume=auto")
+    if (err := not_a_checkpoint(path)) is not None:
+        raise err
     try:
         return dict(dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata)
     except Exception as e:  # a truncated or foreign metadata file

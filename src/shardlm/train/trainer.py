@@ -6,6 +6,7 @@ import math
 import os
 import sys
 import time
+from typing import Any, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,7 +30,8 @@ from shardlm.distributed.nccl import apply_env
 from shardlm.distributed.preflight import StepTimes, preflight, step_time_slots
 from shardlm.distributed.watchdog import Watchdog, heartbeat_store, install_test_stall, launcher_of, set_timeouts
 from shardlm.distributed.env import device_type, init_distributed, restart_store_warning, shutdown_distributed
-from shardlm.errors import ConfigError, DataError, Interrupted, PreflightError, StorageError, TrainingError
+from shardlm.errors import (ConfigError, DataError, Interrupted, PreflightError, ShardlmError, StorageError,
+                            TrainingError)
 from shardlm.generate import check_context, generate, prompt_ids
 from shardlm.eval.validation import Validator, best_logged
 from shardlm.observe.metrics import MetricsLogger, Throughput, peak_flops, read_and_reset_peak_memory
@@ -212,10 +214,12 @@ class Trainer:
                          f"train.optimizer_state_dtype={cfg.train.optimizer_state_dtype}")
         self.scheduler = build_lr_scheduler(self.optimizer, cfg.train, last_step=self.step, anchor=self.lr_anchor())
         self.checkpointer.info["schedule"] = {"steps": cfg.train.steps, "anchor": self.scheduler.anchor}
-        if self.is_rank0:  # written once the run is known to start: a failed retry leaves the last one
+        def run_files() -> None:  # written once the run is known to start: a failed retry leaves the last one
             if kept := write_config(self.output_dir, cfg.to_toml()):
                 self.log(f"config: this start's config.toml differs from the last one, kept as {kept.name}")
             prepare_metrics_file(self.output_dir, self.step if self.resumed_from else None, log=self.log)
+
+        self.on_rank0(run_files)
         self.metrics = MetricsLogger(self.output_dir, cfg.train.steps, self.is_rank0, cfg.metrics.progress_bar,
                                      cfg.metrics.tensorboard, start_step=self.step)
         wd.enter("setup: eval")
@@ -231,8 +235,32 @@ class Trainer:
         self.timer = PhaseTimer(sync=sync)
         self.wandb = None
         if m.wandb:
-            self.wandb = WandbLogger(self.output_dir, cfg.to_dict(), m.wandb_project, m.wandb_run_name or None,
-                                     enabled=self.is_rank0, resumed=self.resumed_from is not None, log=self.log)
+            def wandb_logger(rank0: bool) -> WandbLogger:
+                return WandbLogger(self.output_dir, cfg.to_dict(), m.wandb_project, m.wandb_run_name or None,
+                                   enabled=rank0, resumed=self.resumed_from is not None, log=self.log)
+
+            # rank 0's W&B start may fail (no login): every rank stops with its line, none reports a peer gone
+            made = self.on_rank0(lambda: wandb_logger(True))
+            self.wandb = made if self.is_rank0 else wandb_logger(False)
+
+    def on_rank0(self, fn: Callable[[], Any]) -> Any:
+        """`fn()` on rank 0 (a setup step only rank 0 does); a shardlm error it raises stops every rank with
+        rank 0's line and exit code (the others would otherwise wait in their next collective and report rank 0
+        as gone). Every rank must call it at the same point."""
+        error, result = [None], None
+        if self.is_rank0:
+            try:
+                result = fn()
+            except ShardlmError as e:
+                error = [(type(e).__name__, str(e))]
+        dist.broadcast_object_list(error, src=0)  # our own ranks' objects: nothing untrusted is unpickled
+        if error[0] is not None:
+            import shardlm.errors as errors
+
+            kind, line = error[0]
+            cls = getattr(errors, kind, ShardlmError)
+            raise (cls if isinstance(cls, type) and issubclass(cls, ShardlmError) else ShardlmError)(line)
+        return result
 
     def run_preflight(self) -> None:
         """parallel.preflight: every rank times a GEMM and an all-reduce per mesh dimension; a slow one is named

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from shardlm.checkpoint.lineage import Record
-from shardlm.checkpoint.manager import METADATA
+from shardlm.checkpoint.manager import not_a_checkpoint
 from shardlm.checkpoint.meta import CheckpointMeta, tokenizer_dir_of
 from shardlm.checkpoint.reader import CheckpointReader
 from shardlm.config import LoraSection
@@ -523,8 +523,8 @@ def export_checkpoint(checkpoint_dir: str | os.PathLike, out: str | os.PathLike,
     """
     ck = Path(checkpoint_dir)
     clean_leftovers(Path(out), log)  # first: a previous export a kill left aside is put back even if we fail
-    if not (ck / METADATA).is_file():  # a command-line argument that names no checkpoint
-        raise ConfigError(f"{ck} is not a complete shardlm checkpoint (no {METADATA}); pass a step-N directory")
+    if (err := not_a_checkpoint(ck)) is not None:  # a command-line argument that names no checkpoint
+        raise err
     if tokenizer_dir is not None and not Path(tokenizer_dir).exists():
         raise ConfigError(f"--tokenizer {tokenizer_dir}: no such file or folder")
     meta = CheckpointMeta.load(ck)
