@@ -36,6 +36,10 @@ def stores(tmp_path_factory, corpus):
     quiet = lambda _: None  # noqa: E731
     prepare(PrepareSpec(resolve_sources(str(d / "docs.jsonl")), "bytes", ByteTokenizer.fingerprint, "text",
                         val_fraction=0.05, seed=1), d / "text", workers=1, log=quiet)
+    # a second source for a mixture: other documents, its own validation split
+    (d / "docs_b.jsonl").write_text("".join(json.dumps({"text": t[::-1]}) + "\n" for t in docs[:200]))
+    prepare(PrepareSpec(resolve_sources(str(d / "docs_b.jsonl")), "bytes", ByteTokenizer.fingerprint, "text",
+                        val_fraction=0.1, seed=1), d / "text_b", workers=1, log=quiet)
     spec = sft_spec([d / "sft.jsonl"], ByteTokenizer(), None)
     spec.val_fraction, spec.seed = 0.2, 1
     prepare(spec, d / "sft", workers=1, log=quiet)
@@ -67,7 +71,9 @@ def train_runs(runs: list[tuple[str, list[str], bool]]) -> dict[str, dict]:
         recs = t.train()
         r = {"loss": [x["loss"] for x in recs], "val": [(x["step"], x["val_loss"]) for x in recs if "val_loss" in x],
              "bpb": [x.get("val_bpb") for x in recs if "val_loss" in x], "best": t.best_val,
-             "keys": sorted(recs[-1])}
+             "keys": sorted(recs[-1]), "last_val": ([x for x in recs if "val_loss" in x] or [None])[-1]}
+        if t.validator is not None:
+            r["val_rows"] = t.validator.n_rows
         if hand:  # world 1: the FSDP model holds every weight; plain CE over every window of val/
             L = t.cfg.data.seq_len
             tokens = np.memmap(t.val_store.path / "tokens.bin", dtype=np.uint16, mode="r").astype(np.int64)
@@ -104,6 +110,9 @@ def results(tmp_path_factory, stores):
         ("noeval2", _args(tmp, "noeval2", text, **{"eval.interval": 0, "eval.at_end": "false"}), False),
         ("sft2", _args(tmp, "sft2", sft, **sft_kw), False),
         ("docs2", _args(tmp, "docs2", text, **docs_kw), False),
+        # a mixture of two stores, no data.val_path: each source's own val/
+        ("mix2", [a for a in _args(tmp, "mix2", text, **{"data.sources": f"{text}:1,{stores / 'text_b'}:1"})
+                  if not a.startswith("--data.path=")], False),
     ])
     hsdp = run_ranks(4, train_runs, [
         ("hsdp", _args(tmp, "hsdp", text, **{"train.micro_batch_size": 1, "parallel.dp_replicate": 2,
@@ -154,3 +163,17 @@ def test_profiler_writes_one_trace_per_rank_and_wandb_offline_a_run(results):
     runs = list((tmp / "text1" / "wandb").glob("offline-run-*"))
     assert len(runs) == 1 and (tmp / "text1" / "wandb_id").read_text().strip() in runs[0].name
     assert list(runs[0].glob("*.wandb"))
+
+
+def test_a_mixture_is_validated_on_each_sources_own_val_split(results, stores):
+    """No data.val_path: the val/ of each store of the mixture (it used to say 'train on a store prepared with
+    --val-fraction' about stores that were); val_loss is over all their tokens, each one's in val_loss/<name>."""
+    from shardlm.data.store import TokenStore
+
+    r = results["mix2"]
+    last = r["last_val"]
+    parts = [last["val_loss/text"], last["val_loss/text_b"]]
+    assert min(parts) < last["val_loss"] < max(parts), last  # the token-weighted mean of two different sets
+    rows = sum((TokenStore.open(stores / name / "val").n_tokens - 1) // 64 for name in ("text", "text_b"))
+    assert r["val_rows"] == rows and last["val_tokens"] == rows * 64
+    assert [s for s, _ in r["val"]] == [3, 6]

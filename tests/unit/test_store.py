@@ -355,3 +355,36 @@ def test_damaged_store_bytes_stop_training_with_one_line(tmp_path, capsys, verif
         assert "tokens.bin does not match its checksum" in line, err
     else:
         assert "token id 1000" in line and "outside the model's vocabulary (0..319)" in line, err
+
+
+def test_a_store_whose_validation_split_is_gone_says_so(tmp_path):
+    """Prepared with --val-fraction, val/ deleted: one line naming the store and the fix (it used to read as a
+    store without a split: 'train on a store prepared with --val-fraction'); evaluation off: not needed."""
+    from shardlm.config import load_config
+    from shardlm.data.loader import open_val_store
+
+    _corpus(tmp_path / "src", n=60)
+    prepare(_spec(tmp_path / "src", val_fraction=0.2, seed=1), tmp_path / "s", workers=1, log=lambda _: None)
+    shutil.rmtree(tmp_path / "s" / "val")
+    with pytest.raises(DataError, match=f"{tmp_path / 's'} was prepared with --val-fraction 0.2, but its validation "
+                                        f"store {tmp_path / 's' / 'val'} is missing or incomplete; prepare the store "
+                                        "again"):
+        TokenStore.open(tmp_path / "s").val()
+    off = load_config(None, [f"--data.path=store:{tmp_path / 's'}", "--eval.at_end=false"])
+    assert open_val_store(off, ByteTokenizer()) is None
+    prepare(_spec(tmp_path / "src"), tmp_path / "plain", workers=1, log=lambda _: None)
+    assert TokenStore.open(tmp_path / "plain").val() is None  # none was made: none is asked for
+
+
+def test_prepare_names_its_sources_and_refuses_a_token_store_as_one(tmp_path, capsys):
+    _corpus(tmp_path / "src", n=30)
+    prepare(_spec(tmp_path / "src"), tmp_path / "s", workers=1, log=lambda _: None)
+    for src in (str(tmp_path / "s"), f"store:{tmp_path / 's'}"):
+        assert main(["prepare", src, str(tmp_path / "out")]) == 2
+        err = capsys.readouterr().err
+        assert err == (f"shardlm: error: source {src!r} is a token store (already tokenized): train on it directly "
+                       f"(data.path = \"store:{tmp_path / 's'}\"), or pass the raw files it was made from\n"), err
+    assert main(["prepare", str(tmp_path / "nope.txt"), str(tmp_path / "out")]) == 2
+    assert capsys.readouterr().err.startswith(f"shardlm: error: source '{tmp_path / 'nope.txt'}' does not exist; "
+                                              "pass a file (")
+    assert not (tmp_path / "out").exists()

@@ -62,8 +62,14 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
         raise ConfigError("--workers must be >= 0 (0 = every core) and --chunk-mb >= 0 (0 = auto)")
     cfg = load_config(args.config, overrides)
     *sources, out = args.paths
-    files = list(dict.fromkeys(f for s in sources for f in resolve_sources(s)))  # in the order given
-    val_files = resolve_sources(args.val) if args.val else []
+    from shardlm.data.store import is_store, store_path
+
+    for s in sources + ([args.val] if args.val else []):
+        if is_store(s):
+            raise ConfigError(f"source {s!r} is a token store (already tokenized): train on it directly "
+                              f"(data.path = \"store:{store_path(s)}\"), or pass the raw files it was made from")
+    files = list(dict.fromkeys(f for s in sources for f in resolve_sources(s, "source")))  # in the order given
+    val_files = resolve_sources(args.val, "--val") if args.val else []
     tok_spec = cfg.tokenizer_spec()
     tok = load_tokenizer(tok_spec)
     sft = cfg.data.format == "sft"  # records rendered with the tokenizer folder's chat template (as training)

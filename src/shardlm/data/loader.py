@@ -152,9 +152,28 @@ def open_val_store(cfg, tokenizer: Tokenizer, log: Callable[[str], None] = print
         spec = files_spec(d.val_path, tokenizer, cfg.tokenizer_spec(), d.text_field, d.format)
         return ensure_cached_store(spec, cache, workers=d.prepare_workers, max_bad_fraction=d.max_bad_fraction,
                                    log=log, wait_log=wait_log)
+    if not (cfg.eval.interval or cfg.eval.at_end):
+        return None  # no evaluation: a store's val/ is not needed (nor checked)
     if not d.sources and is_store(d.path):
         return TokenStore.open(d.path).val()
     return None
+
+
+def mixture_val_stores(cfg, log: Callable[[str], None] = print) -> list[tuple[str, TokenStore]]:
+    """A mixture without data.val_path: (name, val store) of each source that is a token store prepared with a
+    validation split (its own `val/`); a note names the sources without one. Empty when none has one."""
+    d = cfg.data
+    if not d.sources or d.val_path or not (cfg.eval.interval or cfg.eval.at_end):
+        return []
+    found, without = [], []
+    for path, *_ in source_list(cfg):
+        val = TokenStore.open(path).val() if is_store(path) else None
+        name = Path(str(path).removeprefix("store:")).name or str(path)
+        (found.append((name, val)) if val is not None else without.append(name))
+    if found and without:
+        log(f"data: validation on the val/ of {', '.join(n for n, _ in found)}; {', '.join(without)} "
+            "has none (raw files, or a store prepared without --val-fraction / --val): not evaluated")
+    return found
 
 
 def build_text_loader(cfg, stores: list[TokenStore], dp_rank: int, dp_size: int,

@@ -37,9 +37,10 @@ ARROW_MAGIC = b"ARROW1"  # the Arrow IPC file format starts with it; the stream 
 
 
 # -- which files ----------------------------------------------------------------------------------------
-def resolve_sources(spec: str) -> list[Path]:
+def resolve_sources(spec: str, what: str = "data.path") -> list[Path]:
     """The files `data.path` names, in a deterministic order: sorted by path, a `datasets` folder's .arrow
-    files in its state.json order at the folder's place; the stdlib's .py files for builtin:stdlib."""
+    files in its state.json order at the folder's place; the stdlib's .py files for builtin:stdlib. `what`
+    names the setting in the errors (`shardlm prepare`: its SOURCE arguments)."""
     if spec == BUILTIN:
         from shardlm.data.sources import builtin_files  # sources imports this module: import on use
 
@@ -52,17 +53,18 @@ def resolve_sources(spec: str) -> list[Path]:
         sources = _walk(path)
     elif path.is_file():
         if not _supported(path):
-            raise ConfigError(f"data.path {spec!r}: unsupported file type; use {SUPPORTED}")
+            raise ConfigError(f"{what} {spec!r}: unsupported file type; use {SUPPORTED}")
         sources = [path]
     else:
-        raise ConfigError(f"data.path {spec!r} does not exist; pass a token store (store:DIR), a file "
-                          f"({SUPPORTED}), a directory, a glob or {BUILTIN}")
+        store = "a token store (store:DIR), " if what == "data.path" else ""
+        raise ConfigError(f"{what} {spec!r} does not exist; pass {store}a file ({SUPPORTED}), a directory, a glob "
+                          f"or {BUILTIN}")
     files: list[Path] = []
     for s in sources:
         files += _hf_dataset_files(s) if s.is_dir() else [s]
     files = list(dict.fromkeys(files))  # a glob can name a `datasets` folder and its files: keep the first
     if not files:
-        raise ConfigError(f"data.path {spec!r} holds no data files ({SUPPORTED})")
+        raise ConfigError(f"{what} {spec!r} holds no data files ({SUPPORTED})")
     return files
 
 

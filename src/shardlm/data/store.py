@@ -169,7 +169,17 @@ class TokenStore:
                                 "corrupt: copy or prepare the store again")
 
     def val(self) -> TokenStore | None:
-        return TokenStore.open(self.path / "val") if (self.path / "val" / MANIFEST).is_file() else None
+        """The validation store `val/` prepared with it (--val-fraction or --val), or None when none was; one
+        that was prepared but is gone or incomplete is a DataError."""
+        if (self.path / "val" / MANIFEST).is_file():
+            return TokenStore.open(self.path / "val")
+        made = self.manifest.get("val")
+        if made:
+            how = f"--val-fraction {made['fraction']:g}" if "fraction" in made else "--val"
+            raise DataError(f"{self.path} was prepared with {how}, but its validation store {self.path / 'val'} "
+                            "is missing or incomplete; prepare the store again (the same command), or set "
+                            "data.val_path, or eval.interval=0 and eval.at_end=false")
+        return None
 
 
 def _sha256(path: Path) -> str:
@@ -608,7 +618,8 @@ def _prepare_locked(spec: PrepareSpec, out: Path, key: str, *, workers: int, max
     if skipped:
         log(skipped_line(skipped))
     bad.check(max_bad_fraction)
-    val = {"fraction": spec.val_fraction, "seed": spec.seed} if spec.val_fraction > 0 else None
+    val = {"fraction": spec.val_fraction, "seed": spec.seed} if spec.val_fraction > 0 else \
+        {"files": len(spec.val_files)} if spec.val_files else None  # what a missing val/ is checked against
     _assemble([parts / f"train-{i:06d}" for i in range(n_train)], stage, spec, key, tok, dtype, "train", bad, val)
     if spec.val_files:
         val_bad = BadRecords()

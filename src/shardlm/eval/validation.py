@@ -85,6 +85,13 @@ class Validator:
         """val_loss, val_ppl, val_bpb (text; None for SFT), val_tokens, val_time_s: one collective at the end
         (besides the forwards' own)."""
         t0 = time.perf_counter()
+        sums = self.local_sums(model).unsqueeze(0)
+        if dist.is_initialized():
+            dist.all_reduce(sums)
+        return _metrics(sums[0].tolist(), self.bytes, t0)
+
+    def local_sums(self, model: torch.nn.Module) -> torch.Tensor:
+        """[sum of -log p, target tokens] over this rank's rows (fp64), before the all-reduce."""
         was_training = model.training
         model.eval()
         nll = torch.zeros((), dtype=torch.float64)
@@ -100,17 +107,49 @@ class Validator:
                 count += int((y != IGNORE_INDEX).sum())
         finally:
             model.train(was_training)
-        sums = torch.tensor([nll.item(), float(count)], dtype=torch.float64)
+        return torch.tensor([nll.item(), float(count)], dtype=torch.float64)
+
+
+def _metrics(sums: list[float], n_bytes: int | None, t0: float) -> dict[str, Any]:
+    total, n = sums
+    if n == 0:
+        raise DataError("the validation set has no target tokens (every SFT answer cut off?); raise "
+                        "data.seq_len or check data.val_path")
+    loss = total / n
+    return {"val_loss": loss, "val_ppl": math.exp(min(loss, 700.0)),
+            "val_bpb": total / math.log(2) / n_bytes if n_bytes else None,
+            "val_tokens": int(n), "val_time_s": time.perf_counter() - t0}
+
+
+class MixtureValidation:
+    """A mixture's validation: each source store's own `val/`, one Validator each (eval.max_tokens split evenly
+    between them). val_loss is over every target token of all of them (sums, one all-reduce for all), and each
+    source's own val_loss is in the record as `val_loss/<name>`."""
+
+    def __init__(self, cfg, stores: list, names: list[str], tokenizer, dp_rank: int, dp_size: int,
+                 device: torch.device):
+        import dataclasses
+
+        share = cfg.eval.max_tokens // len(stores) if cfg.eval.max_tokens else 0
+        each = dataclasses.replace(cfg, eval=dataclasses.replace(cfg.eval, max_tokens=share)) if share else cfg
+        self.parts = [Validator(each, s, tokenizer, dp_rank, dp_size, device) for s in stores]
+        self.names = names
+        self.n_rows = sum(v.n_rows for v in self.parts)
+
+    def describe(self) -> str:
+        return "; ".join(f"{name}: {v.describe()}" for name, v in zip(self.names, self.parts))
+
+    @torch.no_grad()
+    def evaluate(self, model: torch.nn.Module) -> dict[str, Any]:
+        t0 = time.perf_counter()
+        sums = torch.stack([v.local_sums(model) for v in self.parts])
         if dist.is_initialized():
             dist.all_reduce(sums)
-        total, n = sums.tolist()
-        if n == 0:
-            raise DataError("the validation set has no target tokens (every SFT answer cut off?); raise "
-                            "data.seq_len or check data.val_path")
-        loss = total / n
-        return {"val_loss": loss, "val_ppl": math.exp(min(loss, 700.0)),
-                "val_bpb": total / math.log(2) / self.bytes if self.bytes else None,
-                "val_tokens": int(n), "val_time_s": time.perf_counter() - t0}
+        n_bytes = [v.bytes for v in self.parts]
+        out = _metrics(sums.sum(0).tolist(), sum(n_bytes) if all(n_bytes) else None, t0)
+        for name, (total, n) in zip(self.names, sums.tolist()):
+            out[f"val_loss/{name}"] = total / n if n else None
+        return out
 
 
 def _utf8_bytes(tokenizer, ids: np.ndarray, chunk: int = 1 << 20) -> int | None:

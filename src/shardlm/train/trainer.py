@@ -22,7 +22,7 @@ from shardlm.checkpoint.lineage import current_lineage, tokenizer_fingerprint
 from shardlm.checkpoint.meta import CheckpointMeta
 from shardlm.config import Config
 from shardlm.data import MixtureLoader, build_loader, load_tokenizer, open_stores, source_list
-from shardlm.data.loader import IGNORE_INDEX, open_val_store
+from shardlm.data.loader import IGNORE_INDEX, mixture_val_stores, open_val_store
 from shardlm.data.store import is_store
 from shardlm.models.llama import document_attention_backend
 from shardlm.distributed.check import start_problems
@@ -33,7 +33,7 @@ from shardlm.distributed.env import device_type, init_distributed, restart_store
 from shardlm.errors import (ConfigError, DataError, Interrupted, PreflightError, ShardlmError, StorageError,
                             TrainingError)
 from shardlm.generate import check_context, generate, prompt_ids
-from shardlm.eval.validation import Validator, best_logged
+from shardlm.eval.validation import MixtureValidation, Validator, best_logged
 from shardlm.observe.metrics import MetricsLogger, Throughput, peak_flops, read_and_reset_peak_memory
 from shardlm.observe.profiler import PhaseTimer, StepProfiler
 from shardlm.observe.wandb_log import WandbLogger
@@ -124,15 +124,19 @@ class Trainer:
         quiet = say if first else (lambda line: None)
         self.stores = open_stores(cfg, self.tokenizer, log=say, wait_log=quiet)
         self.val_store = open_val_store(cfg, self.tokenizer, log=say, wait_log=quiet)
+        self.val_sources = mixture_val_stores(cfg, log=say if first else (lambda line: None))
         e = cfg.eval
-        if self.val_store is None and e.interval:
+        if self.val_store is None and not self.val_sources and e.interval:
+            how = ("mix token stores prepared with --val-fraction / --val (each source's val/ is used)"
+                   if cfg.data.sources else "train on a store prepared with --val-fraction / --val")
             raise ConfigError(f"eval.interval={e.interval} needs validation data: set data.val_path (a store or "
-                              "files), or train on a store prepared with --val-fraction / --val; or eval.interval=0")
-        if self.val_store is not None and first:
+                              f"files), or {how}; or eval.interval=0")
+        if first and (self.val_store is not None or self.val_sources):
             when = (f"every {e.interval} steps" if e.interval else "") + (" and " if e.interval and e.at_end else "") \
                 + ("at the end" if e.at_end else "")
-            say(f"data: validation store {self.val_store.path}: {self.val_store.documents:,} documents, "
-                f"{self.val_store.n_tokens:,} tokens; evaluated {when or 'never (eval.interval=0, eval.at_end=false)'}")
+            for store in [self.val_store] if self.val_store is not None else [v for _, v in self.val_sources]:
+                say(f"data: validation store {store.path}: {store.documents:,} documents, "
+                    f"{store.n_tokens:,} tokens; evaluated {when}")
         self.env = init_distributed(cfg.train.device, cfg.parallel.init_timeout_s)
         self.is_rank0 = self.env.rank == 0
         self.topo = topo
@@ -223,8 +227,15 @@ class Trainer:
         self.metrics = MetricsLogger(self.output_dir, cfg.train.steps, self.is_rank0, cfg.metrics.progress_bar,
                                      cfg.metrics.tensorboard, start_step=self.step)
         wd.enter("setup: eval")
-        self.validator = None if self.val_store is None or not (cfg.eval.interval or cfg.eval.at_end) else \
-            Validator(cfg, self.val_store, self.tokenizer, dp_rank(self.mesh), self.dims.dp, self.env.device)
+        self.validator = None
+        if not (cfg.eval.interval or cfg.eval.at_end):
+            pass  # never evaluated
+        elif self.val_store is not None:
+            self.validator = Validator(cfg, self.val_store, self.tokenizer, dp_rank(self.mesh), self.dims.dp,
+                                       self.env.device)
+        elif self.val_sources:
+            self.validator = MixtureValidation(cfg, [v for _, v in self.val_sources], [n for n, _ in self.val_sources],
+                                               self.tokenizer, dp_rank(self.mesh), self.dims.dp, self.env.device)
         # the best val_loss of the run so far (a resume carries the one logged before it)
         self.best_val = best_logged(self.output_dir / "metrics.jsonl", self.step) \
             if self.resumed_from is not None and self.is_rank0 else None
