@@ -225,7 +225,8 @@ class DataSection:
         0.001, "Malformed records (bad JSON, missing or null text field, not UTF-8) are skipped and reported with "
         "their file and line or row; more than this share of them is an error.")
     val_path: str = _f("", "Validation data (a store or files): fixed, the same on every world size. Empty = the "
-                       "store's val/ when data.path is a store prepared with --val-fraction or --val.")
+                       "store's val/ when data.path is a store prepared with --val-fraction or --val (a mixture: "
+                       "each source store's own val/).")
     document_mask: bool = _f(
         False, "Packed documents do not see each other: positions (RoPE) restart at each document, attention stays "
         "within it, and the target across a boundary is dropped.")
@@ -254,7 +255,7 @@ class MetricsSection:
 @dataclass
 class EvalSection:
     interval: int = _f(0, "Evaluate the validation loss every N optimizer steps; 0 = never in the loop. The set is "
-                       "data.val_path, or the val/ of the store data.path names.")
+                       "data.val_path, or the val/ of the store data.path names (of each store data.sources names).")
     max_tokens: int = _f(0, "Evaluate this many tokens' worth of the validation set: its first max_tokens // "
                          "data.seq_len rows (windows of text, packed or padded rows of SFT samples), always the same "
                          "ones; 0 = the whole set.")
