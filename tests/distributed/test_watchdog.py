@@ -240,11 +240,11 @@ def test_stalled_peer(tmp_path):
     assert line.startswith("shardlm: error: rank 0: step 2: collective failed in backward reduce-scatter "
                            "(block 0) after 3."), line
     assert "waiting for rank 1 (alive, still in 'backward reduce-scatter (block 1)' at step 2): Timed out" in line
-    # the flight recorder's dump is named at the end and holds the collectives (torch 2.13 records gloo's
-    # collectives in its generic recorder, read by _dump_fr_trace)
+    # the flight recorder's dump is named just before what stands (the line ends with how to go on) and holds
+    # the collectives (torch 2.13 records gloo's collectives in its generic recorder, read by _dump_fr_trace)
     if hasattr(torch._C._distributed_c10d, "_dump_fr_trace"):
         fr = tmp_path / "fr" / "rank_0"
-        assert line.endswith(f"(resume with checkpoint.resume=auto); flight recorder: {fr}"), line
+        assert f"; flight recorder: {fr}; " in line and line.endswith("(resume with checkpoint.resume=auto)"), line
         trace = pickle.loads(fr.read_bytes())  # our own file, written by this test
         assert trace["entries"] and all(e["profiling_name"].startswith("gloo:") for e in trace["entries"])
     # rank 1 then finds rank 0 gone and ends as well, with its own line

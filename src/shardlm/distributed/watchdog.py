@@ -95,6 +95,17 @@ def is_comm_failure(exc: BaseException) -> bool:
     return False
 
 
+def _exit_later(seconds: float) -> None:
+    """Dump every thread's stack and end the process in `seconds` unless re-armed or cancelled. It writes to
+    the process's real stderr: a replaced sys.stderr (pytest's capture, a notebook's) has no file number."""
+    out = sys.stderr
+    try:
+        out.fileno()
+    except (AttributeError, OSError, ValueError):
+        out = sys.__stderr__
+    faulthandler.dump_traceback_later(seconds, exit=True, file=out)
+
+
 @dataclass(frozen=True)
 class Beat:
     """One rank's heartbeat: `beat` counts up while its watchdog thread lives; `progress` counts enter()s."""
@@ -324,7 +335,7 @@ class Watchdog:
     def _run(self) -> None:
         while not self._stop.wait(self.heartbeat_s):
             if not self._failing:
-                faulthandler.dump_traceback_later(self.timeout_s + 3 * self.grace_s + 60, exit=True)
+                _exit_later(self.timeout_s + 3 * self.grace_s + 60)
             self._publish()
             idle = time.monotonic() - self._since
             orphaned = self.launcher_pid is not None and os.getppid() != self.launcher_pid
@@ -418,12 +429,12 @@ class Watchdog:
                      f"{_secs(self.grace_s)} s grace), waiting for {who}")
         else:
             cause = f"collective failed in {phase} after {idle:.1f} s, waiting for {who}: {short_message(exc)}"
-        line = self.line(cause)
         dump = self.dump()
-        if dump is not None:
-            line += f"; flight recorder: {dump}"
+        if dump is not None:  # before the tail: the line ends with what stands and how to go on
+            cause += f"; flight recorder: {dump}"
+        line = self.line(cause)
         self._stop.set()  # no more beats; faulthandler's timer ends the process if the report itself hangs
-        faulthandler.dump_traceback_later(self.grace_s + 60, exit=True)
+        _exit_later(self.grace_s + 60)
         self.on_failure(line)
         faulthandler.cancel_dump_traceback_later()  # on_failure returned (a test's)
         self._reported.set()
