@@ -16,7 +16,6 @@ import pickle
 import socket
 import tempfile
 import traceback
-import warnings
 from pathlib import Path
 from typing import Any, Callable
 
@@ -58,31 +57,19 @@ def _entry(rank: int, world: int, port: int, env: dict, fn: Callable, args: tupl
         Path(out).write_bytes(pickle.dumps(result))
 
 
-NATIVE_CRASH = {"SIGABRT", "SIGSEGV", "SIGBUS"}
-
-
-def run_ranks(world: int, fn: Callable, *args: Any, retries: int = 1) -> Any:
+def run_ranks(world: int, fn: Callable, *args: Any) -> Any:
     """fn(*args) on `world` ranks (torchrun-style env, gloo); returns rank 0's result.
 
-    A rank that dies of a native crash (SIGABRT, SIGSEGV, SIGBUS: no Python exception) makes the whole
-    spawn run again, at most `retries` times, with a warning that carries the ranks' fault dumps (pytest
-    lists it in its warnings summary). Seen twice, only in full-suite runs: "malloc(): unaligned tcache
-    chunk detected" in test_optim_state_fsdp's 4-rank spawn; not reproduced alone (see the issue notes).
-    A Python exception in a rank, or a second crash, fails the test as before."""
+    A rank that fails makes the test fail with every rank's error: its Python traceback, or for a native crash
+    (SIGABRT, SIGSEGV: no Python exception) the stacks faulthandler wrote. Nothing is run again: a native crash
+    in a rank is a bug to find, not noise (see test_optim_state_fsdp's note on the heap corruption once seen)."""
     multiprocessing.get_context("forkserver").set_forkserver_preload(PRELOAD)  # used when the server starts
-    for attempt in range(retries + 1):
-        with tempfile.TemporaryDirectory() as d:
-            out = str(Path(d) / "result.pkl")
-            try:
-                mp.start_processes(_entry, args=(world, _free_port(), dict(os.environ), fn, args, out),
-                                   nprocs=world, start_method="forkserver")
-            except Exception as e:
-                errs = [f"{p.name}:\n{p.read_text()}" for p in sorted(Path(d).glob("result.pkl.err*"))
-                        if p.stat().st_size]
-                report = f"a rank failed: {e}\n" + "\n".join(errs)
-                if getattr(e, "signal_name", None) in NATIVE_CRASH and attempt < retries:
-                    warnings.warn(f"run_ranks({getattr(fn, '__name__', fn)}): native crash, running the ranks "
-                                  f"again ({attempt + 1} of {retries}): {report[:4000]}", stacklevel=2)
-                    continue
-                raise AssertionError(report) from None
-            return pickle.loads(Path(out).read_bytes())
+    with tempfile.TemporaryDirectory() as d:
+        out = str(Path(d) / "result.pkl")
+        try:
+            mp.start_processes(_entry, args=(world, _free_port(), dict(os.environ), fn, args, out),
+                               nprocs=world, start_method="forkserver")
+        except Exception as e:
+            errs = [f"{p.name}:\n{p.read_text()}" for p in sorted(Path(d).glob("result.pkl.err*")) if p.stat().st_size]
+            raise AssertionError(f"a rank failed: {e}\n" + "\n".join(errs)) from None
+        return pickle.loads(Path(out).read_bytes())

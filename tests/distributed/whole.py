@@ -5,8 +5,31 @@ from __future__ import annotations
 
 
 def whole(t):
-    """The whole tensor: `full_tensor()` of a DTensor (a collective), else `t` itself."""
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
+    """The whole tensor: `full_tensor()` of a DTensor (a collective, waited for), else `t` itself.
+
+    A tensor subclass's inner tensors are waited for here: torchao's `OptimState8bit` (8-bit optimizer state)
+    all-gathers its codes and scales as two functional collectives whose outputs torch (2.11+) wraps as
+    AsyncCollectiveTensors, and its slice/view ops keep them unwaited, so `full_tensor()` returns codes and
+    scales that gloo may still be writing, and the collectives stay in c10d's registry until the process ends
+    ("there are still N unwaited collective calls")."""
+    if not hasattr(t, "full_tensor"):
+        return t
+    out = t.full_tensor()
+    return _waited(out)
+
+
+def _waited(t):
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+
+    if isinstance(t, AsyncCollectiveTensor):
+        return t.wait()
+    if hasattr(t, "__tensor_flatten__"):
+        for name in t.__tensor_flatten__()[0]:
+            inner = getattr(t, name)
+            waited = _waited(inner)
+            if waited is not inner:
+                setattr(t, name, waited)
+    return t
 
 
 def local(t):
