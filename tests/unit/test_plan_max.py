@@ -38,7 +38,7 @@ def test_nothing_fits_a_tiny_gpu_and_the_cli(capsys):
     assert rep.rows[0].value is None and "none fits" in rep.format()  # the CUDA context alone is 0.49 GiB
     with pytest.raises(ConfigError, match="not searchable"):
         plan_max(load_config(None, BASE), "train.steps", world_size=2, sizes_gib=[80], gpus_per_node=2)
-    assert main(["plan", "--gpu-mem-gib", "0.5,80", "--max", "data.seq_len", "--gpus-per-node", "2",
+    assert main(["plan", "--gpu-mem-gib", "0.5,2", "--max", "data.seq_len", "--gpus-per-node", "2",
                  *BASE]) == 3  # the 0.5 GiB GPU fits nothing
     out = capsys.readouterr().out
     assert "largest data.seq_len" in out and "none fits" in out
