@@ -114,6 +114,17 @@ def test_backstop_fires_without_progress_and_not_while_progressing():
         wd.stop()
 
 
+def test_the_thread_lives_when_sys_stderr_has_no_file_number(capsys):
+    """capsys puts a StringIO-like sys.stderr in place (a notebook does too): faulthandler's exit timer, re-armed at
+    every heartbeat, used to take sys.stderr and kill the watchdog thread with io.UnsupportedOperation."""
+    wd = Watchdog(0, 1, None, 30.0, on_failure=lambda line: None, heartbeat_s=0.05, grace_s=1.0).start()
+    try:
+        time.sleep(0.4)  # several heartbeats
+        assert wd._thread is not None and wd._thread.is_alive()
+    finally:
+        wd.stop()
+
+
 def test_one_watchdog_per_process_and_none_left_at_exit():
     # A second Trainer in the process stops the first one's watchdog (its backstop would otherwise end
     # the process once that training is idle for timeout + grace); atexit stops the last one, so that no

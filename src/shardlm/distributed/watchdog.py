@@ -98,11 +98,10 @@ def is_comm_failure(exc: BaseException) -> bool:
 def _exit_later(seconds: float) -> None:
     """Dump every thread's stack and end the process in `seconds` unless re-armed or cancelled. It writes to
     the process's real stderr: a replaced sys.stderr (pytest's capture, a notebook's) has no file number."""
-    out = sys.stderr
     try:
-        out.fileno()
+        out = sys.stderr.fileno()
     except (AttributeError, OSError, ValueError):
-        out = sys.__stderr__
+        out = 2  # the process's own stderr, whatever sys.stderr was replaced by
     faulthandler.dump_traceback_later(seconds, exit=True, file=out)
 
 
