@@ -33,6 +33,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from shardlm.checkpoint.layout import complete_checkpoints
+
 RECORD_FILE = "checkpoint.json"
 BRANCHES = "branches"
 
@@ -77,19 +79,13 @@ def tokenizer_fingerprint(spec: str) -> dict[str, str]:
     return {"spec": str(p.resolve()), "sha256": digest}
 
 
-def _complete(folder: Path) -> list[Path]:
-    from shardlm.checkpoint.manager import complete_checkpoints
-
-    return complete_checkpoints(folder)
-
-
 def _step(p: Path) -> int:
     return int(p.name.split("-", 1)[1])
 
 
 def records(folder: Path) -> dict[Path, Record | None]:
     """Every complete checkpoint directly in `folder` with its record (None: legacy or unreadable)."""
-    return {p: Record.read(p) for p in _complete(folder)}
+    return {p: Record.read(p) for p in complete_checkpoints(folder)}
 
 
 def current_lineage(folder: Path) -> list[Path]:
@@ -142,7 +138,7 @@ def set_aside(folder: Path, resumed: Path | None, log, failed: tuple[Path, ...] 
     if not folder.is_dir():
         return None
     keep = lineage_of(folder, resumed) if resumed is not None and resumed.parent == folder else set()
-    others = [p for p in _complete(folder) if p not in keep]
+    others = [p for p in complete_checkpoints(folder) if p not in keep]
     if not others:
         return None
     dest = folder / BRANCHES / time.strftime("%Y%m%d-%H%M%S")

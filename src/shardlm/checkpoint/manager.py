@@ -19,7 +19,6 @@ metadata, model-only when the run needs optimizer state).
 
 from __future__ import annotations
 
-import re
 import shutil
 import time
 from concurrent.futures import Future
@@ -43,28 +42,12 @@ from torch.distributed.checkpoint.state_dict import (
 from shardlm.config import CheckpointSection
 from shardlm._torch_compat import set_element
 from shardlm.checkpoint import lineage
+from shardlm.checkpoint.layout import METADATA, complete_checkpoints, step_of  # noqa: F401  (also imported from here)
 from shardlm.checkpoint.lineage import Record
 from shardlm.errors import CheckpointError, ConfigError, DataError
 
 if TYPE_CHECKING:
     from shardlm.checkpoint.meta import CheckpointMeta
-
-_STEP_RE = re.compile(r"^step-(\d+)$")
-METADATA = ".metadata"
-
-
-def step_of(path: Path) -> int | None:
-    m = _STEP_RE.match(path.name)
-    return int(m.group(1)) if m else None
-
-
-def complete_checkpoints(folder: Path) -> list[Path]:
-    """Complete checkpoints in `folder`, oldest first."""
-    if not folder.is_dir():
-        return []
-    found = [p for p in folder.iterdir() if step_of(p) is not None and (p / METADATA).is_file()]
-    return sorted(found, key=step_of)
-
 
 def read_keys(path: Path) -> set[str]:
     """The flattened state-dict keys a checkpoint holds; a clear error when it isn't a DCP checkpoint."""
