@@ -13,12 +13,13 @@ import time
 import pytest
 
 from shardlm.errors import ConfigError
+from shardlm.fsutil import proc_start
 from shardlm.train import rundir
 from shardlm.train.rundir import LOCK_FILE, RunLock, check_writable, prepare_metrics_file, write_config
 
 
 def _holder(path, **kw):
-    d = {"host": socket.gethostname(), "pid": os.getpid(), "pid_start": rundir._proc_start(os.getpid()),
+    d = {"host": socket.gethostname(), "pid": os.getpid(), "pid_start": proc_start(os.getpid()),
          "started": "2026-12-01 10:00:00 UTC", "token": "x", **kw}
     path.write_text(json.dumps(d))
 

@@ -23,6 +23,7 @@ from shardlm.data import store as S
 from shardlm.data.store import MANIFEST, PrepareSpec, TokenStore, ensure_cached_store, prepare
 from shardlm.data.tokenizer import ByteTokenizer
 from shardlm.errors import ConfigError, DataError
+from shardlm.fsutil import proc_start
 
 
 def _corpus(d: Path, n: int = 400) -> list[str]:
@@ -215,7 +216,7 @@ def test_the_cache_prepares_once_others_wait_and_a_dead_holder_is_taken_over(tmp
     reused = cache / "reused.lock"
     reused.write_text(json.dumps({"host": S._host(), "pid": os.getpid(), "pid_start": "0"}))
     assert S._Lock(reused).remove_if_stale() and not reused.exists()
-    reused.write_text(json.dumps({"host": S._host(), "pid": os.getpid(), "pid_start": S._proc_start(os.getpid())}))
+    reused.write_text(json.dumps({"host": S._host(), "pid": os.getpid(), "pid_start": proc_start(os.getpid())}))
     assert not S._Lock(reused).remove_if_stale()
     # another host's lock is trusted until it is LOCK_STALE_S old
     spec3 = _spec(tmp_path / "src", seed=2, val_fraction=0.1)
@@ -231,7 +232,7 @@ def test_a_second_prepare_into_one_out_stops_with_one_line_and_leaves_the_first_
     spec, out = _spec(tmp_path / "src"), tmp_path / "store"
     lock = tmp_path / ".store.prepare.lock"
     # a live prepare (this process stands in for it) holds OUT and has written part of its work
-    lock.write_text(json.dumps({"host": S._host(), "pid": os.getpid(), "pid_start": S._proc_start(os.getpid())}))
+    lock.write_text(json.dumps({"host": S._host(), "pid": os.getpid(), "pid_start": proc_start(os.getpid())}))
     work = S._partial_dir(out) / "parts"
     work.mkdir(parents=True)
     (work / "train-000000.json").write_text("being written")

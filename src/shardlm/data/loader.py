@@ -22,7 +22,7 @@ from shardlm.data.order import IGNORE_INDEX, RowLoader, SampleOrder
 from shardlm.data.packing import document_rows
 from shardlm.data.chat import SHAPES, load_template
 from shardlm.data.sft import SFTLoader, SFTSamples, sft_stats
-from shardlm.data.store import TokenStore, ensure_cached_store, files_spec, is_store
+from shardlm.data.store import TokenStore, default_cache_dir, ensure_cached_store, files_spec, is_store
 from shardlm.data.tokenizer import Tokenizer
 from shardlm.errors import ConfigError, DataError
 
@@ -31,10 +31,6 @@ __all__ = ["IGNORE_INDEX", "MixtureLoader", "PackedLoader", "build_loader", "bui
 
 
 _TEMPLATE_WORDS = {"chat_template": "the tokenizer's chat template", "plain": "plain ### User/### Assistant template"}
-
-
-def default_cache_dir() -> Path:
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "shardlm" / "tokens"
 
 
 class PackedLoader(RowLoader):
@@ -108,11 +104,12 @@ def _open_store(cfg, path: str, tokenizer: Tokenizer, what: str = "data.path") -
 
 
 def open_stores(cfg, tokenizer: Tokenizer, log: Callable[[str], None] = print,
-                     wait_log: Callable[[str], None] | None = None) -> list[TokenStore]:
+                wait_log: Callable[[str], None] | None = None, tokenizer_spec: str | None = None) -> list[TokenStore]:
     """The token store of data.path (or of each source), text or SFT as data.format says: opened when it is
     one (its tokenizer, and chat template, must be the run's), else prepared from the raw files in
     data.cache_dir (`ensure_cached_store`). Call it before the process group starts: a long preparation then
-    never trips a collective's timeout."""
+    never trips a collective's timeout. `tokenizer_spec`: what a prepared store records as its tokenizer
+    (the run's resolved data.tokenizer; default: the tokenizer's own file)."""
     d = cfg.data
     cache = Path(d.cache_dir) if d.cache_dir else default_cache_dir()
     stores = []
@@ -123,7 +120,7 @@ def open_stores(cfg, tokenizer: Tokenizer, log: Callable[[str], None] = print,
                 log(f"data: note: {store.path} was prepared from field {store.manifest.get('text_field')!r}; "
                     f"data.text_field={text_field!r} does not apply to a store")
         else:
-            spec = files_spec(path, tokenizer, cfg.tokenizer_spec(), text_field, d.format)
+            spec = files_spec(path, tokenizer, tokenizer_spec or tokenizer.spec, text_field, d.format)
             store = ensure_cached_store(spec, cache, workers=d.prepare_workers, max_bad_fraction=d.max_bad_fraction,
                                         log=log, wait_log=wait_log)
         if d.verify and os.environ.get("LOCAL_RANK", "0") == "0":  # one reader per node's copy
@@ -138,9 +135,11 @@ def open_stores(cfg, tokenizer: Tokenizer, log: Callable[[str], None] = print,
 
 
 def open_val_store(cfg, tokenizer: Tokenizer, log: Callable[[str], None] = print,
-                   wait_log: Callable[[str], None] | None = None) -> TokenStore | None:
+                   wait_log: Callable[[str], None] | None = None,
+                   tokenizer_spec: str | None = None) -> TokenStore | None:
     """The validation store: data.val_path (a store, or files prepared into the cache like training's), else
-    the `val/` of the training store when data.path is one; None when there is none."""
+    the `val/` of the training store when data.path is one; None when there is none. `tokenizer_spec`: as
+    `open_stores`."""
     d = cfg.data
     if d.val_path:
         if is_store(d.val_path):
@@ -149,7 +148,7 @@ def open_val_store(cfg, tokenizer: Tokenizer, log: Callable[[str], None] = print
                 store.verify()
             return store
         cache = Path(d.cache_dir) if d.cache_dir else default_cache_dir()
-        spec = files_spec(d.val_path, tokenizer, cfg.tokenizer_spec(), d.text_field, d.format)
+        spec = files_spec(d.val_path, tokenizer, tokenizer_spec or tokenizer.spec, d.text_field, d.format)
         return ensure_cached_store(spec, cache, workers=d.prepare_workers, max_bad_fraction=d.max_bad_fraction,
                                    log=log, wait_log=wait_log)
     if not (cfg.eval.interval or cfg.eval.at_end):

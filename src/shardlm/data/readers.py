@@ -21,6 +21,7 @@ import contextlib
 import gzip
 import json
 import os
+import sysconfig
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -36,14 +37,34 @@ SUPPORTED = ".txt, .jsonl, .jsonl.gz, .jsonl.zst, .parquet, .arrow or a `dataset
 ARROW_MAGIC = b"ARROW1"  # the Arrow IPC file format starts with it; the stream format does not
 
 
+def stdlib_dir() -> Path:
+    """The running Python's standard library folder."""
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def builtin_files(max_depth: int | None = None) -> list[Path]:
+    """The running Python's standard library sources (.py; installed packages left out): on every
+    machine, no download. In walk order: a folder's files sorted by name, then each subfolder (sorted)
+    in full. `max_depth`: 0 = the top-level modules only, 1 = also the files one folder down, None = all.
+    This is the one stdlib-corpus walker (the built-in corpus, the debug HF assets, tests, benchmarks).
+    """
+    root = stdlib_dir()
+    files = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        if max_depth is not None and len(Path(dirpath).relative_to(root).parts) >= max_depth:
+            dirnames[:] = []
+        else:
+            dirnames[:] = sorted(d for d in dirnames if d not in ("site-packages", "dist-packages", "__pycache__"))
+        files += [Path(dirpath) / f for f in sorted(filenames) if f.endswith(".py")]
+    return files
+
+
 # -- which files ----------------------------------------------------------------------------------------
 def resolve_sources(spec: str, what: str = "data.path") -> list[Path]:
     """The files `data.path` names, in a deterministic order: sorted by path, a `datasets` folder's .arrow
     files in its state.json order at the folder's place; the stdlib's .py files for builtin:stdlib. `what`
     names the setting in the errors (`shardlm prepare`: its SOURCE arguments)."""
     if spec == BUILTIN:
-        from shardlm.data.sources import builtin_files  # sources imports this module: import on use
-
         return builtin_files()
     path = Path(spec)
     if any(c in spec for c in "*?["):

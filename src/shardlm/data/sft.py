@@ -240,8 +240,7 @@ def build_sft_loader(files: Sequence[Path], tokenizer, tokenizer_dir: str | Path
     each sample only. stats: records, samples (kept), truncated, dropped (no answer token within seq_len),
     tokens, loss_tokens, rows, fill (non-padding share of the rows), template (`chat_template` or `plain`).
     """
-    from shardlm.data.loader import default_cache_dir
-    from shardlm.data.store import ensure_cached_store, sft_spec
+    from shardlm.data.store import default_cache_dir, ensure_cached_store, sft_spec
 
     spec = sft_spec([Path(f) for f in files], tokenizer, tokenizer_dir)
     cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()

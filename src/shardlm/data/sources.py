@@ -3,37 +3,14 @@
 
 from __future__ import annotations
 
-import os
 import sys
-import sysconfig
 from pathlib import Path
 from typing import Iterator
 
-from shardlm.data.readers import BUILTIN, SUFFIXES, BadRecords, plan_units, read_texts, resolve_sources
+from shardlm.data.readers import (BUILTIN, SUFFIXES, BadRecords, builtin_files, plan_units, read_texts,
+                                  resolve_sources, stdlib_dir)
 
 __all__ = ["BUILTIN", "SUFFIXES", "builtin_files", "iter_documents", "resolve_files", "skipped_line", "stdlib_dir"]
-
-
-def stdlib_dir() -> Path:
-    """The running Python's standard library folder."""
-    return Path(sysconfig.get_paths()["stdlib"])
-
-
-def builtin_files(max_depth: int | None = None) -> list[Path]:
-    """The running Python's standard library sources (.py; installed packages left out): on every
-    machine, no download. In walk order: a folder's files sorted by name, then each subfolder (sorted)
-    in full. `max_depth`: 0 = the top-level modules only, 1 = also the files one folder down, None = all.
-    This is the one stdlib-corpus walker (the built-in corpus, the debug HF assets, tests, benchmarks).
-    """
-    root = stdlib_dir()
-    files = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        if max_depth is not None and len(Path(dirpath).relative_to(root).parts) >= max_depth:
-            dirnames[:] = []
-        else:
-            dirnames[:] = sorted(d for d in dirnames if d not in ("site-packages", "dist-packages", "__pycache__"))
-        files += [Path(dirpath) / f for f in sorted(filenames) if f.endswith(".py")]
-    return files
 
 
 def resolve_files(spec: str) -> list[Path]:

@@ -50,13 +50,18 @@ from shardlm.data.readers import BadRecords, Unit, plan_units, read_texts, resol
 from shardlm.data.sources import skipped_line, stdlib_dir
 from shardlm.data.tokenizer import Tokenizer, encode_texts, load_tokenizer
 from shardlm.errors import ConfigError, DataError
-from shardlm.train.rundir import _alive, _proc_start  # the run lock's liveness rule (pid + its start time)
+from shardlm.fsutil import pid_alive, proc_start  # the run lock's liveness rule (pid + its start time)
 
 FORMAT, VERSION = "shardlm-token-store", 1
 MANIFEST, TOKENS, INDEX = "manifest.json", "tokens.bin", "docs.idx"
 MASK, ANSWERS = "mask.bin", "answers.idx"  # kind "sft" only
 STORE_PREFIX = "store:"
 COPY_BYTES = 16 << 20
+
+
+def default_cache_dir() -> Path:
+    """Where data.path's files are prepared when data.cache_dir is unset (one store per content hash)."""
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "shardlm" / "tokens"
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -723,7 +728,7 @@ class _Lock:
         except FileExistsError:
             return False
         with os.fdopen(fd, "w") as f:
-            f.write(json.dumps({"host": _host(), "pid": os.getpid(), "pid_start": _proc_start(os.getpid())}))
+            f.write(json.dumps({"host": _host(), "pid": os.getpid(), "pid_start": proc_start(os.getpid())}))
         self._thread = threading.Thread(target=self._refresh, name="shardlm-store-lock", daemon=True)
         self._thread.start()
         return True
@@ -752,7 +757,7 @@ class _Lock:
         if h is None:
             return False
         if h.get("host") == _host():
-            if not isinstance(h.get("pid"), int) or _alive(h["pid"], h.get("pid_start")):  # pid reuse: start time
+            if not isinstance(h.get("pid"), int) or pid_alive(h["pid"], h.get("pid_start")):  # pid reuse: start time
                 return False
         elif h["age"] < LOCK_STALE_S:
             return False

@@ -24,28 +24,11 @@ import uuid
 from pathlib import Path
 
 from shardlm.errors import ConfigError, ShardlmError
+from shardlm.fsutil import pid_alive, proc_start
 
 LOCK_FILE = ".shardlm.lock"
 HEARTBEAT_S = 30.0  # the holder touches its lock this often
 STALE_S = 120.0  # a lock from another host without a heartbeat for this long is a dead run's
-
-
-def _proc_start(pid: int) -> str | None:
-    """The kernel's start time of `pid` (Linux), to tell a live holder from a reused pid."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
-    except (OSError, IndexError):
-        return None
-
-
-def _alive(pid: int, start: str | None) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's live process
-        return True
-    return start is None or _proc_start(pid) in (None, start)
 
 
 class RunLock:
@@ -55,7 +38,7 @@ class RunLock:
         self.folder, self.log, self.what = Path(folder), log, what
         self.make_room = make_room  # called once, holding the lock, when the disk is too full to write it
         self.path = self.folder / LOCK_FILE
-        self.me = {"host": socket.gethostname(), "pid": os.getpid(), "pid_start": _proc_start(os.getpid()),
+        self.me = {"host": socket.gethostname(), "pid": os.getpid(), "pid_start": proc_start(os.getpid()),
                    "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "token": uuid.uuid4().hex}
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -104,7 +87,7 @@ class RunLock:
             holder, age = {}, time.time() - self.path.stat().st_mtime
         host, pid = holder.get("host", "?"), holder.get("pid")
         if host == self.me["host"] and isinstance(pid, int):
-            dead = None if _alive(pid, holder.get("pid_start")) else f"pid {pid} on this host is gone"
+            dead = None if pid_alive(pid, holder.get("pid_start")) else f"pid {pid} on this host is gone"
         else:
             dead = f"no heartbeat from {host} for {age:.0f}s" if age > STALE_S else None
         if dead is None:

@@ -31,6 +31,7 @@ from shardlm.checkpoint.meta import CheckpointMeta, tokenizer_dir_of
 from shardlm.checkpoint.reader import CheckpointReader
 from shardlm.config import LoraSection
 from shardlm.errors import ConfigError
+from shardlm.fsutil import pid_alive
 from shardlm.interop.hf.config import config_to_hf
 from shardlm.interop.hf.load import INDEX_FILE, SINGLE_FILE
 from shardlm.interop.hf.names import (
@@ -40,7 +41,7 @@ from shardlm.interop.hf.names import (
     split_lora,
     validate,
 )
-from shardlm.lora import peft_adapter_config, to_peft_state_dict
+from shardlm.interop.peft import peft_adapter_config, to_peft_state_dict
 from shardlm.models.llama import ModelConfig
 
 OUT_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -138,16 +139,6 @@ def _copy_tokenizer(tokenizer_dir: str | os.PathLike | None, out: Path) -> list[
 
 
 # -- the output folder: written beside it, swapped in whole ------------------------------------------
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's live process
-        return True
-    return True
-
-
 def _aside(out: Path, kind: str) -> Path:
     """`.OUT.tmp-<host>-<pid>` (being written) or `.OUT.old-<host>-<pid>` (the previous export, mid-swap)."""
     return out.with_name(f".{out.name}.{kind}-{socket.gethostname()}-{os.getpid()}")
@@ -162,7 +153,7 @@ def clean_leftovers(out: Path, log=print) -> None:
         h, _, pid = rest.rpartition("-")
         if kind not in ("tmp", "old") or not pid.isdigit() or not h:
             continue
-        live = _pid_alive(int(pid)) if h == host else time.time() - p.stat().st_mtime < STALE_TMP_S
+        live = pid_alive(int(pid)) if h == host else time.time() - p.stat().st_mtime < STALE_TMP_S
         if live:
             raise ConfigError(f"another export to {out} is running ({h}, pid {pid}: {p.name}); wait for it, "
                               f"or remove {p} if that process is gone")
@@ -461,7 +452,7 @@ def export_peft_adapter(
     log=print,
 ) -> dict[str, Any]:
     """The LoRA adapters of a checkpoint as a peft folder (`adapter_model.safetensors` + `adapter_config.json`),
-    named and configured by shardlm.lora's `to_peft_state_dict` / `peft_adapter_config`.
+    named and configured by shardlm.interop.peft's `to_peft_state_dict` / `peft_adapter_config`.
 
     `lora` defaults to the checkpoint's lora_config.json; its targets default to the adapted module
     names found in the checkpoint. Adapters are small: they are read in one go. Written atomically,
