@@ -143,7 +143,8 @@ def meta_model(cfg: Config, mc: ModelConfig, device_type: str = "cuda") -> Trans
     with torch.device("meta"):
         model = Transformer(mc)
     if lo.rank > 0:
-        from shardlm.lora import apply_lora, cast_frozen
+        from shardlm.lora import apply_lora, cast_frozen, lora_layers
+        from shardlm.quant.nf4 import is_nf4
 
         try:
             apply_lora(model, lo.rank, lo.alpha, lo.dropout, lo.targets, train_embeddings=lo.train_embeddings,
@@ -153,8 +154,8 @@ def meta_model(cfg: Config, mc: ModelConfig, device_type: str = "cuda") -> Trans
         if base_dtype(cfg, device_type) == "nf4":
             from shardlm.quant.nf4 import apply_nf4
 
-            apply_nf4(model)
-        cast_frozen(model, frozen_dtype(cfg, device_type))
+            apply_nf4(lora_layers(model))
+        cast_frozen(model, frozen_dtype(cfg, device_type), keep=is_nf4)
     return model
 
 
@@ -180,9 +181,10 @@ def build_model(cfg: Config, mc: ModelConfig, mesh: DeviceMesh, device: torch.de
     t = cfg.train
     model = meta_model(cfg, mc, device.type)
     if base_dtype(cfg, device.type) == "nf4":
+        from shardlm.lora import lora_layers
         from shardlm.quant.nf4 import check_shapes
 
-        check_shapes(model, mesh.size(mesh.ndim - 1))  # the dp_shard dimension (last in an HSDP mesh)
+        check_shapes(lora_layers(model), mesh.size(mesh.ndim - 1))  # the dp_shard dimension (last in an HSDP mesh)
     if t.mixed_precision == "fp8":
         check_fp8_hardware(device, t.fp8_emulate)
         apply_fp8(model, t.fp8_recipe, t.fp8_emulate, uses_fp8_all_gather(cfg, device))

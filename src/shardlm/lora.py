@@ -7,8 +7,8 @@ Parameters under the same names (checkpoints and the HF key mapping are unchange
     y = x W^T + b + lora_B(lora_A(dropout(x))) * alpha / r
 
 That is peft's non-rslora, non-DoRA forward, and the names match peft's once the adapter name is
-dropped, so `to_peft_state_dict` / `peft_adapter_config` write an adapter that
-`peft.PeftModel.from_pretrained` loads, and `from_peft_state_dict` reads one back.
+dropped, so `shardlm.interop.peft` writes an adapter that `peft.PeftModel.from_pretrained` loads
+(`to_peft_state_dict` / `peft_adapter_config`) and reads one back (`from_peft_state_dict`).
 
 Order in the trainer: build on `meta` -> `apply_lora` -> `fully_shard` -> `to_empty` ->
 `init_weights` (which asks each LoRA factor for its `init_spec`) -> load the base checkpoint.
@@ -17,19 +17,16 @@ Order in the trainer: build on `meta` -> `apply_lora` -> `fully_shard` -> `to_em
 from __future__ import annotations
 
 import math
-import re
-from typing import Any, Iterable, Mapping
+from typing import Callable, Iterable, Iterator
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from shardlm.interop.hf.names import LORA_RE, hf_key_to_ours, our_key_to_hf
 from shardlm.models.llama import InitSpec, RMSNorm
 
 DEFAULT_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-PEFT_PREFIX = "base_model.model."
 _NORMS = (RMSNorm, nn.LayerNorm, nn.RMSNorm)
 
 
@@ -113,6 +110,13 @@ class LoRALinear(nn.Linear):
         return f"{super().extra_repr()}, r={self.r}, alpha={self.alpha}"
 
 
+def lora_layers(model: nn.Module) -> Iterator[tuple[str, LoRALinear]]:
+    """(name, module) of every LoRA layer: the linears whose frozen base QLoRA stores as NF4."""
+    for name, m in model.named_modules():
+        if isinstance(m, LoRALinear):
+            yield name, m
+
+
 def _set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
     parent, _, attr = name.rpartition(".")
     setattr(model.get_submodule(parent) if parent else model, attr, module)
@@ -154,19 +158,19 @@ def apply_lora(model: nn.Module, rank: int, alpha: float, dropout: float = 0.0,
 
 
 @torch.no_grad()
-def cast_frozen(model: nn.Module, dtype: torch.dtype) -> list[str]:
+def cast_frozen(model: nn.Module, dtype: torch.dtype,
+                keep: Callable[[torch.Tensor], bool] = lambda p: False) -> list[str]:
     """Store every frozen floating-point parameter in `dtype` (lora.base_dtype); returns their names.
 
-    Trained parameters (adapters, and embeddings / norms when trained) keep their fp32 master weights; NF4
-    parameters stay NF4; tied parameters stay one parameter. Run it before fully_shard (on the meta model).
+    Trained parameters (adapters, and embeddings / norms when trained) keep their fp32 master weights; those
+    `keep` names stay as they are (the build passes `quant.nf4.is_nf4`: NF4 parameters stay NF4); tied
+    parameters stay one parameter. Run it before fully_shard (on the meta model).
     """
-    from shardlm.quant.nf4 import is_nf4
-
     new: dict[int, nn.Parameter] = {}
     names = []
     for mod_name, m in model.named_modules(remove_duplicate=False):
         for pname, p in list(m.named_parameters(recurse=False)):
-            if p.requires_grad or not p.is_floating_point() or p.dtype == dtype or is_nf4(p):
+            if p.requires_grad or not p.is_floating_point() or p.dtype == dtype or keep(p):
                 continue
             if id(p) not in new:
                 new[id(p)] = nn.Parameter(p.detach().to(dtype), requires_grad=False)
@@ -197,65 +201,3 @@ def merge_lora(model: nn.Module) -> list[str]:
 def lora_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """The LoRA entries of `model.state_dict()` only."""
     return {k: v for k, v in model.state_dict().items() if is_lora_param(k)}
-
-
-# -- peft interop ---------------------------------------------------------------------------------
-# peft's live state dict carries the adapter name (`lora_A.default.weight`); saved files do not.
-_PEFT = re.compile(r"^(?P<mod>.+)\.(?P<ab>lora_[AB])(?:\.[^.]+)?\.weight$")
-
-
-def to_peft_state_dict(lora_sd: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """`layers.0.self_attn.q_proj.lora_A.weight` -> `base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight`."""
-    out = {}
-    for key, t in lora_sd.items():
-        m = LORA_RE.match(key)
-        if m is None:
-            raise ValueError(f"to_peft_state_dict: {key!r} is not a LoRA weight (only lora_A/lora_B are exported)")
-        hf_mod = our_key_to_hf(m["mod"] + ".weight").removesuffix(".weight")  # `lm_head` stays unprefixed
-        out[f"{PEFT_PREFIX}{hf_mod}.{m['ab']}.weight"] = t
-    return out
-
-
-def from_peft_state_dict(peft_sd: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The inverse of `to_peft_state_dict` (also accepts peft's live names with the adapter name in them).
-
-    `...base_layer.weight` entries are skipped: peft saves the base output head / embedding next to the
-    adapter when one is targeted, but the base weights come from the base checkpoint here.
-    """
-    out = {}
-    for key, t in peft_sd.items():
-        if ".base_layer." in key:
-            continue
-        m = _PEFT.match(key.removeprefix(PEFT_PREFIX))
-        if not key.startswith(PEFT_PREFIX) or m is None:
-            raise ValueError(f"from_peft_state_dict: {key!r} is not a peft LoRA weight "
-                             f"('{PEFT_PREFIX}...lora_A.weight' / '...lora_B.weight')")
-        ours_mod = hf_key_to_ours(m["mod"] + ".weight").removesuffix(".weight")
-        out[f"{ours_mod}.{m['ab']}.weight"] = t
-    return out
-
-
-def peft_adapter_config(rank: int, alpha: float, dropout: float, targets: Iterable[str],
-                        base_model_name_or_path: str = "") -> dict[str, Any]:
-    """adapter_config.json content for the adapter `to_peft_state_dict` writes (peft LoraConfig fields)."""
-    return {
-        "peft_type": "LORA",
-        "task_type": "CAUSAL_LM",
-        "base_model_name_or_path": base_model_name_or_path or None,
-        "revision": None,
-        "inference_mode": True,
-        "r": rank,
-        "lora_alpha": alpha,
-        "lora_dropout": dropout,
-        "target_modules": sorted(set(targets)),
-        "bias": "none",
-        "fan_in_fan_out": False,
-        "use_rslora": False,
-        "use_dora": False,
-        "init_lora_weights": True,
-        "modules_to_save": None,
-        "layers_to_transform": None,
-        "layers_pattern": None,
-        "rank_pattern": {},
-        "alpha_pattern": {},
-    }

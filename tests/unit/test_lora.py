@@ -16,17 +16,15 @@ from safetensors.torch import save_file  # noqa: E402
 from shardlm.config import TrainSection  # noqa: E402
 from shardlm.interop.hf.config import config_from_hf  # noqa: E402
 from shardlm.interop.hf.names import hf_state_dict_to_ours, our_state_dict_to_hf  # noqa: E402
+from shardlm.interop.peft import from_peft_state_dict, peft_adapter_config, to_peft_state_dict  # noqa: E402
 from shardlm.lora import (  # noqa: E402
     DEFAULT_TARGETS,
     LoRALinear,
     apply_lora,
-    from_peft_state_dict,
     is_lora_param,
     lora_a_std,
     lora_state_dict,
     merge_lora,
-    peft_adapter_config,
-    to_peft_state_dict,
 )
 from shardlm.models.llama import ModelConfig, Transformer  # noqa: E402
 from shardlm.train.optim import build_optimizer  # noqa: E402

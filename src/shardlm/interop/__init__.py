@@ -1,1 +1,1 @@
-"""Interop with other ecosystems' formats: `hf` (Hugging Face models and checkpoints)."""
+"""Interop with other ecosystems' formats: `hf` (Hugging Face models and checkpoints), `peft` (LoRA adapters)."""

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import math
 from types import ModuleType
-from typing import Iterator
+from typing import Iterable
 
 import torch
 import torch.distributed as dist
@@ -90,18 +90,13 @@ def empty_nf4(shape: tuple[int, int], device: torch.device | str = "meta", dtype
                        torch.empty(16, dtype=dtype, device=device))
 
 
-def nf4_targets(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
-    """(name, module) of every LoRA layer (its `weight` is the frozen base that goes NF4)."""
-    from shardlm.lora import LoRALinear
-
-    for name, m in model.named_modules():
-        if isinstance(m, LoRALinear):
-            yield name, m
+Targets = Iterable[tuple[str, nn.Module]]  # (name, module) whose `weight` is the frozen base that goes NF4
 
 
-def check_shapes(model: nn.Module, dp_shard: int) -> None:
-    """ConfigError naming the first LoRA target weight that NF4 cannot hold sharded over `dp_shard` ranks."""
-    for name, m in nf4_targets(model):
+def check_shapes(targets: Targets, dp_shard: int) -> None:
+    """ConfigError naming the first target weight (the LoRA layers: `shardlm.lora.lora_layers`) that NF4 cannot
+    hold sharded over `dp_shard` ranks."""
+    for name, m in targets:
         out_f, in_f = m.weight.shape
         where = f"lora.base_dtype=nf4: {name}.weight ({out_f}x{in_f})"
         if (out_f * in_f) % GROUP:
@@ -122,14 +117,15 @@ def _fitting_degrees(out_f: int, in_f: int, near: int) -> str:
 
 
 @torch.no_grad()
-def apply_nf4(model: nn.Module) -> list[str]:
-    """Swap each LoRA layer's (meta) base weight for a meta NF4 parameter; returns the parameter names.
+def apply_nf4(targets: Targets) -> list[str]:
+    """Swap each target's (meta) base weight (the LoRA layers: `shardlm.lora.lora_layers`) for a meta NF4
+    parameter; returns the parameter names.
 
     Before fully_shard: FSDP2 recognises the NF4 all-gather extension on the parameter it shards.
     """
     torchao_nf4()
     names = []
-    for name, m in nf4_targets(model):
+    for name, m in targets:
         if not m.weight.is_meta:
             raise ValueError("apply_nf4 runs on the meta model (before fully_shard and materialisation)")
         m.weight = nn.Parameter(empty_nf4(tuple(m.weight.shape)), requires_grad=False)

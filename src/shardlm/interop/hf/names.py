@@ -1,8 +1,8 @@
 """Tensor names: ours <-> HF's, the names and shapes a config implies, and the one validator.
 
 Our names are HF's without the leading `model.` (`lm_head.weight` is the same in both). LoRA adapters
-are `X.lora_A.weight` / `X.lora_B.weight` next to the base `X.weight` (`LORA_RE`, used by shardlm.lora's
-peft format too).
+are `X.lora_A.weight` / `X.lora_B.weight` next to the base `X.weight` (`LORA_RE`, used by the peft format
+in shardlm.interop.peft too).
 
 `validate(stored, expected, tied)` is the one check of a set of stored tensors against what a model
 needs; the HF load, the HF import, the DCP export and the state-dict converters all call it.
