@@ -176,8 +176,9 @@ def run(args, tmp: Path, rank: int, world: int, t_start: float) -> None:
     full_cfg = cfgs["full"]
     with contextlib.redirect_stdout(log):
         from shardlm.data import load_tokenizer
+        from shardlm.resolve import tokenizer_spec
 
-        tok = load_tokenizer(full_cfg.tokenizer_spec())
+        tok = load_tokenizer(tokenizer_spec(full_cfg))
     mc = build_model_config(full_cfg, tok.vocab_size)
     mesh = ParallelDims(1, -1, world).build_mesh("cpu")
     device = torch.device("cpu")

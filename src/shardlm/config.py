@@ -327,38 +327,6 @@ class Config:
     def to_toml(self) -> str:
         return tomli_w.dumps(self.to_dict())
 
-    def tokenizer_spec(self) -> str:
-        """data.tokenizer with `auto` resolved: the HF model's own tokenizer when there is one, else bytes."""
-        if self.data.tokenizer != "auto":
-            return self.data.tokenizer
-        d = self.model.hf_dir
-        if self.model.dcp_dir is not None:  # the tokenizer its HF source had, when it recorded one
-            from shardlm.checkpoint.meta import CheckpointMeta
-            from shardlm.errors import CheckpointError
-
-            try:
-                d = CheckpointMeta.load(self.model.dcp_dir).tokenizer_dir
-            except CheckpointError:
-                d = None
-        if d is not None and (d / "tokenizer.json").is_file():
-            return str(d)
-        return self._store_tokenizer() or "bytes"
-
-    def _store_tokenizer(self) -> str | None:
-        """The tokenizer a token store in data.path (or the first source) was prepared with, if it is here."""
-        import json
-
-        from shardlm.data.store import MANIFEST, is_store, store_path
-
-        path = self.data.sources[0].path if self.data.sources else self.data.path
-        if not is_store(path):
-            return None
-        try:
-            spec = json.loads((store_path(path) / MANIFEST).read_text())["tokenizer"]["spec"]
-        except (OSError, ValueError, KeyError, TypeError):
-            return None
-        return spec if spec == "bytes" or Path(spec).exists() else None
-
 
 def _plain(v: Any) -> Any:
     """A section (or [[table]] entry) as TOML-able values; None is left out (TOML has no null)."""

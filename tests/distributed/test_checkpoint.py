@@ -395,6 +395,7 @@ def test_init_from_a_dcp_checkpoint(tmp_path, corpus):
     assert "no such folder" in out["errors"]["missing"]
     assert "model.n_layers cannot change the shape" in out["errors"]["override"]
     from shardlm.config import load_config
+    from shardlm.resolve import tokenizer_spec
 
     cfg = load_config(None, [f"--model.init_from=dcp:{tmp_path / 'converted'}"])  # tokenizer auto: the source's
-    assert cfg.tokenizer_spec() == str(hf.resolve())
+    assert tokenizer_spec(cfg) == str(hf.resolve())

@@ -11,6 +11,7 @@ from shardlm.checkpoint.meta import HF_SOURCE_FILE, LORA_CONFIG_FILE, MODEL_CONF
 from shardlm.config import load_config
 from shardlm.errors import CheckpointError
 from shardlm.models import get_preset
+from shardlm.resolve import tokenizer_spec
 
 
 def _lora_cfg(tmp_path, **extra):
@@ -25,7 +26,7 @@ def _lora_cfg(tmp_path, **extra):
 def test_round_trip_with_lora_and_hf_source(tmp_path):
     cfg, hf = _lora_cfg(tmp_path)
     mc = get_preset("debug")
-    meta = CheckpointMeta.from_config(cfg, mc)
+    meta = CheckpointMeta.from_config(cfg, mc, tokenizer_spec(cfg))
     meta.save(tmp_path)
     back = CheckpointMeta.load(tmp_path)
     assert back == meta
@@ -42,7 +43,7 @@ def test_round_trip_with_lora_and_hf_source(tmp_path):
 
 def test_plain_run_writes_only_the_model_config(tmp_path):
     cfg = load_config(None, [])
-    meta = CheckpointMeta.from_config(cfg, get_preset("debug"))
+    meta = CheckpointMeta.from_config(cfg, get_preset("debug"), tokenizer_spec(cfg))
     meta.save(tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == [MODEL_CONFIG_FILE]
     back = CheckpointMeta.load(tmp_path)
@@ -89,7 +90,7 @@ def _saved(tmp_path, cfg, tokenizer=None):
 
     ck = tmp_path / "ck" / "step-3"
     ck.mkdir(parents=True)
-    CheckpointMeta.from_config(cfg, get_preset("debug")).save(ck)
+    CheckpointMeta.from_config(cfg, get_preset("debug"), tokenizer_spec(cfg)).save(ck)
     (ck / RECORD_FILE).write_text(Record("a", 3, 1, info={"tokenizer": tokenizer} if tokenizer else {}).to_json())
     return ck
 
@@ -98,7 +99,7 @@ def _checker(cfg, tokenizer=None):
     from shardlm.checkpoint import Checkpointer
 
     return Checkpointer(cfg.checkpoint, cfg.checkpoint.dir, 1, None, None, {}, log=lambda line: None,
-                        meta=CheckpointMeta.from_config(cfg, get_preset("debug")),
+                        meta=CheckpointMeta.from_config(cfg, get_preset("debug"), tokenizer_spec(cfg)),
                         info={"tokenizer": tokenizer} if tokenizer else {})
 
 
@@ -169,7 +170,8 @@ def test_resume_check_names_the_data_source_whose_content_changed(tmp_path):
 
         said: list[str] = []
         Checkpointer(c.checkpoint, c.checkpoint.dir, 1, None, None, {}, log=said.append,
-                     meta=CheckpointMeta.from_config(c, get_preset("debug")), info={"data": data}).check(ck)
+                     meta=CheckpointMeta.from_config(c, get_preset("debug"), tokenizer_spec(c)),
+                     info={"data": data}).check(ck)
         return said
 
     with pytest.raises(ConfigError, match=r"\(data: checkpoint 'source 2 b.jsonl: 300 documents, 30,000 tokens, "

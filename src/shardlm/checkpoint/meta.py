@@ -124,9 +124,11 @@ class CheckpointMeta:
     lora_recorded: frozenset[str] = dataclasses.field(default=frozenset(), compare=False)
 
     @classmethod
-    def from_config(cls, cfg: Config, model_cfg: ModelConfig) -> CheckpointMeta:
+    def from_config(cls, cfg: Config, model_cfg: ModelConfig, tokenizer_spec: str) -> CheckpointMeta:
+        """The sidecar of a run of `cfg`; `tokenizer_spec`: the run's resolved tokenizer
+        (`shardlm.resolve.tokenizer_spec`)."""
         hf = cfg.model.hf_dir
-        spec = cfg.tokenizer_spec()
+        spec = tokenizer_spec
         return cls(model=model_cfg, lora=dataclasses.replace(cfg.lora) if cfg.lora.rank > 0 else None,
                    init_from=f"{HF_PREFIX}{hf.resolve()}" if hf is not None else "",
                    tokenizer=(spec if spec == "bytes" else str(Path(spec).resolve())) if hf is not None else None)

@@ -43,6 +43,7 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
     from shardlm.data.store import PrepareSpec, TokenStore, prepare
     from shardlm.data.tokenizer import load_tokenizer
     from shardlm.errors import ConfigError
+    from shardlm.resolve import tokenizer_spec
 
     if args.verify:
         for path in args.paths:
@@ -70,7 +71,7 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
                               f"(data.path = \"store:{store_path(s)}\"), or pass the raw files it was made from")
     files = list(dict.fromkeys(f for s in sources for f in resolve_sources(s, "source")))  # in the order given
     val_files = resolve_sources(args.val, "--val") if args.val else []
-    tok_spec = cfg.tokenizer_spec()
+    tok_spec = tokenizer_spec(cfg)
     tok = load_tokenizer(tok_spec)
     sft = cfg.data.format == "sft"  # records rendered with the tokenizer folder's chat template (as training)
     spec = PrepareSpec(files, tok_spec, tok.fingerprint, cfg.data.text_field, val_fraction=args.val_fraction,

@@ -40,6 +40,7 @@ from shardlm.observe.wandb_log import WandbLogger
 from shardlm.parallel.dims import device_memory_bytes, dp_rank, launch_topology, resolve_dims
 from shardlm.parallel.fsdp import DTYPES, clip_grad_norm_, settle_auto_reshard
 from shardlm.quant.fp8 import precompute_fp8_scales
+from shardlm.resolve import tokenizer_spec
 from shardlm.train.optim import build_lr_scheduler, build_optimizer, extended_anchor
 from shardlm.train.preemption import Preemption
 from shardlm.train.rundir import RunLock, check_writable, prepare_metrics_file, write_config
@@ -108,7 +109,8 @@ class Trainer:
         env_report = apply_env(cfg.env.preset, cfg.env.set_, Path(cfg.train.output_dir))
         # Everything that can be wrong with the config fails here, before any collective.
         topo = launch_topology()
-        self.tokenizer = load_tokenizer(cfg.tokenizer_spec())
+        self.tokenizer_spec = tokenizer_spec(cfg)  # resolved once: the data, the checkpoints and the logs take it
+        self.tokenizer = load_tokenizer(self.tokenizer_spec)
         warnings: list[str] = []
         self.model_cfg = build_model_config(cfg, self.tokenizer.vocab_size, warn=warnings.append)
         dev_type = device_type(cfg.train.device)
@@ -122,8 +124,9 @@ class Trainer:
         first = os.environ.get("RANK", "0") == "0"
         say = lambda line: print(line, flush=True)  # noqa: E731
         quiet = say if first else (lambda line: None)
-        self.stores = open_stores(cfg, self.tokenizer, log=say, wait_log=quiet)
-        self.val_store = open_val_store(cfg, self.tokenizer, log=say, wait_log=quiet)
+        self.stores = open_stores(cfg, self.tokenizer, log=say, wait_log=quiet, tokenizer_spec=self.tokenizer_spec)
+        self.val_store = open_val_store(cfg, self.tokenizer, log=say, wait_log=quiet,
+                                        tokenizer_spec=self.tokenizer_spec)
         self.val_sources = mixture_val_stores(cfg, log=say if first else (lambda line: None))
         e = cfg.eval
         if self.val_store is None and not self.val_sources and e.interval:
@@ -203,7 +206,7 @@ class Trainer:
         self.checkpointer = Checkpointer(cfg.checkpoint, self.checkpoint_dir, self.env.rank, self.model,
                                          self.optimizer, {"trainer": self.state}, log=self.log,
                                          trainable_only=cfg.lora.adapters_only,
-                                         meta=CheckpointMeta.from_config(cfg, self.model_cfg),
+                                         meta=CheckpointMeta.from_config(cfg, self.model_cfg, self.tokenizer_spec),
                                          info=self.run_info())
         wd.enter("checkpoint load")
         self.resumed_from = self.checkpointer.load()
@@ -353,7 +356,7 @@ class Trainer:
     def run_info(self) -> dict:
         """Facts each checkpoint.json records (checkpoint/lineage.py)."""
         return {"world_size": self.env.world_size, "global_batch": self.loader.global_batch,
-                "tokenizer": tokenizer_fingerprint(self.cfg.tokenizer_spec()),
+                "tokenizer": tokenizer_fingerprint(self.tokenizer_spec),
                 "data": [{"source": src, **store.identity()} for (src, *_), store in zip(source_list(self.cfg),
                                                                                       self.stores)]}
 
