@@ -79,6 +79,11 @@ class LoraSection:
         "torchao NF4 (4-bit, block size 64, double-quantised scales), all-gathered in NF4, dequantised per matmul "
         "(needs the [fp8] extra: torchao).")
 
+    @property
+    def scaling(self) -> float:
+        """alpha / rank: what the adapters' update B @ A is multiplied by (0.0 without LoRA)."""
+        return self.alpha / self.rank if self.rank > 0 else 0.0
+
 
 @dataclass
 class ParallelSection:

@@ -46,6 +46,7 @@ from shardlm.checkpoint.reader import SINGLE_PROCESS_WARNING
 from shardlm.config import Config, LoraSection
 from shardlm.data.tokenizer import Tokenizer, load_tokenizer
 from shardlm.errors import CheckpointError, ConfigError
+from shardlm.lora import lora_delta
 from shardlm.models.llama import ModelConfig, Transformer
 
 Pairs = dict[str, dict[str, str]]  # adapted module -> {"A": its lora_A name, "B": its lora_B name}
@@ -149,7 +150,7 @@ def _adapters(ck: Path, meta: CheckpointMeta) -> tuple[Pairs, float]:
     if not pairs:
         return {}, 0.0
     lo = meta.require_lora(ck)
-    return pairs, lo.alpha / lo.rank
+    return pairs, lo.scaling
 
 
 # -- loading ---------------------------------------------------------------------------------------
@@ -197,8 +198,8 @@ def load_merged_lora(model: Transformer, ck: Path, pairs: Pairs, scaling: float,
         if local.numel() == 0:
             continue
         rows = slice(offset[0], offset[0] + shape[0])
-        b, a = factors[ab["B"]][rows].float(), factors[ab["A"]].float()
-        local.copy_((local.float() + (b @ a) * scaling).to(local.dtype))
+        delta = lora_delta(factors[ab["A"]], factors[ab["B"]][rows], scaling)
+        local.copy_((local.float() + delta).to(local.dtype))
 
 
 def _materializer(ck: Path | None, pairs: Pairs, scaling: float, adapters_only: bool, base_dir: Path | None):

@@ -179,6 +179,12 @@ def cast_frozen(model: nn.Module, dtype: torch.dtype,
     return names
 
 
+def lora_delta(a: torch.Tensor, b: torch.Tensor, scaling: float) -> torch.Tensor:
+    """What an adapter adds to its base weight, B @ A * alpha/r, in fp32: the merge arithmetic, once (merge_lora,
+    the HF export and inference's merge on load all add it to their base weights)."""
+    return (b.float() @ a.float()) * scaling
+
+
 @torch.no_grad()
 def merge_lora(model: nn.Module) -> list[str]:
     """Fold B @ A * scaling into each base weight in place and swap back a plain nn.Linear (for export).
@@ -188,7 +194,7 @@ def merge_lora(model: nn.Module) -> list[str]:
     """
     merged = [(n, m) for n, m in model.named_modules() if isinstance(m, LoRALinear)]
     for name, m in merged:
-        delta = (m.lora_B.weight.float() @ m.lora_A.weight.float()) * m.scaling
+        delta = lora_delta(m.lora_A.weight, m.lora_B.weight, m.scaling)
         m.weight.add_(delta.to(m.weight.dtype))
         plain = nn.Linear(m.in_features, m.out_features, bias=m.bias is not None, device="meta")
         plain.weight = m.weight

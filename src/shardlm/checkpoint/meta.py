@@ -147,7 +147,7 @@ class CheckpointMeta:
     @property
     def lora_scaling(self) -> float:
         """alpha / rank (0.0 without LoRA)."""
-        return self.lora.alpha / self.lora.rank if self.lora is not None else 0.0
+        return self.lora.scaling if self.lora is not None else 0.0
 
     # -- files -------------------------------------------------------------------------------------
     def files(self) -> dict[str, str]:

@@ -42,6 +42,7 @@ from shardlm.interop.hf.names import (
     validate,
 )
 from shardlm.interop.peft import peft_adapter_config, to_peft_state_dict
+from shardlm.lora import lora_delta
 from shardlm.models.llama import ModelConfig
 
 OUT_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -108,8 +109,7 @@ def iter_hf_tensors(reader: CheckpointReader, shard: Iterable[str], lora: LoraPa
                 continue
             w = loaded.pop(n)
             if ab:
-                a, b = loaded.pop(ab["A"]).float(), loaded.pop(ab["B"]).float()
-                w = w.float() + (b @ a) * scaling
+                w = w.float() + lora_delta(loaded.pop(ab["A"]), loaded.pop(ab["B"]), scaling)
             done[our_key_to_hf(n)] = w.to(dtype).contiguous()
         pending = [n for n in pending if our_key_to_hf(n) not in done]
         yield done
@@ -416,7 +416,7 @@ def export_hf(
     scaling = 0.0
     if pairs:
         lo = lora or meta.require_lora(ck)
-        scaling = lo.alpha / lo.rank
+        scaling = lo.scaling
     expected = expected_shapes(cfg)
     try:  # our own checkpoints never duplicate the tied head: tied=False keeps a stray one an error
         validate({n: reader.tensors[n].shape for n in base}, expected, tied=False)
