@@ -27,13 +27,9 @@ transformers = pytest.importorskip("transformers")
 MAX_NEW = 8
 
 
-def _eos_base(out: Path) -> tuple[Path, int]:
-    from shardlm.assets.debug_hf import make_tiny_hf
-    from tokenizers import Tokenizer
-
-    raw = make_tiny_hf(out.with_name("raw"))
-    eos = Tokenizer.from_file(str(raw / "tokenizer.json")).token_to_id("<|endoftext|>")
-    model = transformers.AutoModelForCausalLM.from_pretrained(raw, dtype=torch.float32)
+def _always_predicts(model, token: int) -> None:
+    """Make an HF Llama predict `token` after any input: the blocks add nothing to the residual stream, every
+    embedding carries 10 in dimension 0, and the head reads only that dimension, into `token`'s row."""
     with torch.no_grad():
         for layer in model.model.layers:
             layer.self_attn.o_proj.weight.zero_()
@@ -41,7 +37,17 @@ def _eos_base(out: Path) -> tuple[Path, int]:
         model.model.embed_tokens.weight[:, 0] = 10.0
         model.model.norm.weight.fill_(1.0)
         model.lm_head.weight.zero_()
-        model.lm_head.weight[eos, 0] = 1.0
+        model.lm_head.weight[token, 0] = 1.0
+
+
+def _eos_base(out: Path) -> tuple[Path, int]:
+    from shardlm.assets.debug_hf import make_tiny_hf
+    from tokenizers import Tokenizer
+
+    raw = make_tiny_hf(out.with_name("raw"))
+    eos = Tokenizer.from_file(str(raw / "tokenizer.json")).token_to_id("<|endoftext|>")
+    model = transformers.AutoModelForCausalLM.from_pretrained(raw, dtype=torch.float32)
+    _always_predicts(model, eos)
     model.save_pretrained(out, safe_serialization=True)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         (out / name).write_bytes((raw / name).read_bytes())
@@ -254,14 +260,7 @@ def _chat_base(out: Path) -> tuple[Path, int]:
                                    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                                    max_position_embeddings=256, tie_word_embeddings=False, eos_token_id=eos)
     model = transformers.LlamaForCausalLM(cfg).float()
-    with torch.no_grad():
-        for layer in model.model.layers:
-            layer.self_attn.o_proj.weight.zero_()
-            layer.mlp.down_proj.weight.zero_()
-        model.model.embed_tokens.weight[:, 0] = 10.0
-        model.model.norm.weight.fill_(1.0)
-        model.lm_head.weight.zero_()
-        model.lm_head.weight[im_end, 0] = 1.0
+    _always_predicts(model, im_end)
     model.save_pretrained(out, safe_serialization=True)
     return out, im_end
 
