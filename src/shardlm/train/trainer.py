@@ -296,8 +296,9 @@ class Trainer:
         ck = self.checkpoint_dir.resolve()
         if not ck.is_relative_to(self.output_dir.resolve()):
             folders.append((self.checkpoint_dir, "checkpoint.dir"))
-        locks, error = [], [None]
-        if self.is_rank0:
+
+        def lock_all() -> list[RunLock]:
+            locks: list[RunLock] = []
             try:
                 for folder, what in folders:
                     try:
@@ -311,15 +312,13 @@ class Trainer:
                     lock = RunLock(folder, self.log, what, make_room=room)
                     lock.acquire()
                     locks.append(lock)
-            except (ConfigError, StorageError) as e:
+            except ShardlmError:
                 for lock in locks:
                     lock.release()
-                error = [(type(e).__name__, str(e))]
-        dist.broadcast_object_list(error, src=0)
-        if error[0] is not None:
-            kind, line = error[0]
-            raise (StorageError if kind == "StorageError" else ConfigError)(line)
-        return locks
+                raise
+            return locks
+
+        return self.on_rank0(lock_all) or []  # the other ranks hold no lock
 
     def release_locks(self) -> None:
         for lock in self.locks:
