@@ -37,6 +37,14 @@ def _key(f: dataclasses.Field) -> str:
     return f.metadata.get("key", f.name)
 
 
+def _at_least(lo: float, **values: float) -> None:
+    """`section.key must be >= lo, got v` for the first value under `lo` (keys given as section__key)."""
+    for key, v in values.items():
+        if v < lo:
+            raise ConfigError(f"{key.replace('__', '.')} must be >= {lo:g}, got {v}")
+
+
+
 @dataclass
 class ModelSection:
     preset: str = _f("debug", "Exact name of a model shape in shardlm.models.presets (see `shardlm presets`).")
@@ -61,6 +69,15 @@ class ModelSection:
         """The checkpoint model.init_from names (`dcp:/path`), or None."""
         return Path(self.init_from[len("dcp:"):]) if self.init_from.startswith("dcp:") else None
 
+    def check(self) -> None:
+        for key in ("n_layers", "dim", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size"):
+            v = getattr(self, key)
+            if v is not None and v < 1:
+                raise ConfigError(f"model.{key} must be >= 1, got {v}")
+        if self.init_from and not self.init_from.startswith(("hf:", "dcp:")):
+            raise ConfigError(f"model.init_from={self.init_from!r}: use hf:/path/to/hf_model_dir or "
+                              "dcp:/path/to/checkpoint")
+
 
 @dataclass
 class LoraSection:
@@ -83,6 +100,19 @@ class LoraSection:
     def scaling(self) -> float:
         """alpha / rank: what the adapters' update B @ A is multiplied by (0.0 without LoRA)."""
         return self.alpha / self.rank if self.rank > 0 else 0.0
+
+    def check(self) -> None:
+        if self.rank < 0 or self.alpha <= 0 or not 0.0 <= self.dropout < 1.0:
+            raise ConfigError(f"lora.rank must be >= 0, lora.alpha > 0 and lora.dropout in [0, 1); got "
+                              f"{self.rank}, {self.alpha}, {self.dropout}")
+        if self.rank and not self.targets:
+            raise ConfigError("lora.targets is empty; name the linear layers to adapt (e.g. q_proj,v_proj)")
+        if self.base_dtype == "nf4" and not self.rank:
+            raise ConfigError("lora.base_dtype=nf4 (QLoRA) quantises the frozen base of LoRA layers: set lora.rank > "
+                              "0, or use lora.base_dtype=auto")
+        if self.base_dtype != "auto" and not self.rank:  # nothing is frozen: the setting would have no effect
+            raise ConfigError(f"lora.base_dtype={self.base_dtype} stores the frozen base of a LoRA run, and "
+                              "lora.rank=0 trains every weight: set lora.rank > 0, or drop lora.base_dtype (auto)")
 
 
 @dataclass
@@ -120,6 +150,35 @@ class ParallelSection:
         1, "Blocks whose parameters FSDP all-gathers ahead of use: 1 = FSDP2's implicit prefetch of the next block; "
         "N > 1 = explicitly the next N blocks in forward and the previous N in backward (more overlap of "
         "all-gathers with compute, N unsharded blocks of memory in flight). Losses do not change.")
+
+    def check(self) -> None:
+        if self.dp_replicate != "auto" and self.dp_replicate < 1:
+            raise ConfigError(f"parallel.dp_replicate must be >= 1 or auto, got {self.dp_replicate}")
+        if self.dp_shard != "auto" and self.dp_shard < 1 and self.dp_shard != -1:
+            raise ConfigError(f"parallel.dp_shard must be >= 1, -1 (fill) or auto, got {self.dp_shard}")
+        if self.dp_shard == -1 and self.dp_replicate == "auto":
+            raise ConfigError("parallel.dp_replicate=auto needs parallel.dp_shard as a number of ranks or auto "
+                              "(-1 means 'the rest of the world', which leaves nothing to choose)")
+        r = self.reshard_after_forward
+        if isinstance(r, int) and not isinstance(r, bool) and r < 1:
+            raise ConfigError(f"parallel.reshard_after_forward must be true, false, auto or a number of blocks >= 1, "
+                              f"got {r}")
+        if self.prefetch < 1:
+            raise ConfigError(f"parallel.prefetch must be >= 1 (1 = FSDP's implicit prefetch of the next block), "
+                              f"got {self.prefetch}")
+        self._check_nvlink()
+        for key, v in (("parallel.init_timeout_s", self.init_timeout_s),
+                       ("parallel.step_timeout_s", self.step_timeout_s)):
+            if v <= 0:
+                raise ConfigError(f"{key} must be > 0 seconds, got {v}")
+
+    def _check_nvlink(self) -> None:
+        if self.nvlink_domain < 0:
+            raise ConfigError(f"parallel.nvlink_domain must be >= 0 (0 = one node), got {self.nvlink_domain}")
+        if self.nvlink_domain and (self.dp_shard != "auto" or self.dp_replicate != "auto"):
+            raise ConfigError(f"parallel.nvlink_domain={self.nvlink_domain} only shapes the mesh when "
+                              f"parallel.dp_shard and dp_replicate are both auto, but dp_shard={self.dp_shard}, "
+                              f"dp_replicate={self.dp_replicate}: set both to auto or drop nvlink_domain")
 
 
 @dataclass
@@ -190,6 +249,22 @@ class TrainSection:
             return self.mixed_precision
         return "fp32" if device_type == "cpu" else "bf16"
 
+    def check(self) -> None:
+        _at_least(1, train__steps=self.steps, train__micro_batch_size=self.micro_batch_size,
+                  train__grad_accum=self.grad_accum, train__ac_every=self.ac_every,
+                  train__max_skipped_steps=self.max_skipped_steps)
+        _at_least(0, train__seed=self.seed, train__lr=self.lr, train__warmup_steps=self.warmup_steps,
+                  train__weight_decay=self.weight_decay, train__grad_clip=self.grad_clip,
+                  train__sample_tokens=self.sample_tokens, train__eps=self.eps,
+                  train__loss_chunk_tokens=self.loss_chunk_tokens)
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ConfigError(f"train.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        for key, v in (("train.beta1", self.beta1), ("train.beta2", self.beta2)):
+            if not 0.0 <= v < 1.0:
+                raise ConfigError(f"{key} must be in [0, 1), got {v}")
+        if not self.output_dir:
+            raise ConfigError("train.output_dir must not be empty")
+
 
 @dataclass
 class DataSource:
@@ -240,6 +315,31 @@ class DataSection:
         "once): a damaged copy stops with one line. Without it, every micro-batch's ids are still checked against "
         "the model's vocabulary (cheap).")
 
+    def check(self) -> None:
+        _at_least(1, data__seq_len=self.seq_len)
+        if not 0.0 <= self.max_bad_fraction <= 1.0 or self.prepare_workers < 0:
+            raise ConfigError(f"data.max_bad_fraction must be in [0, 1] and data.prepare_workers >= 0 (0 = every "
+                              f"core); got {self.max_bad_fraction}, {self.prepare_workers}")
+        if self.document_mask and self.format == "sft" and not self.pack:
+            raise ConfigError("data.document_mask has no effect with data.pack=false (one sample per row already); "
+                              "drop it or pack the samples")
+        if self.sources:
+            self._check_sources()
+
+    def _check_sources(self) -> None:
+        if self.path != DataSection().path:
+            raise ConfigError("data.path and data.sources are both set; a mixture reads data.sources only: drop "
+                              "data.path (or the sources)")
+        if self.format != "text":
+            raise ConfigError("data.sources (mixtures) are for data.format=text; for SFT pass one data.path")
+        for i, src in enumerate(self.sources):
+            if not src.path:
+                raise ConfigError(f"data.sources.{i}.path is empty; name a token store or files")
+            if not src.weight > 0:
+                raise ConfigError(f"data.sources.{i}.weight must be > 0, got {src.weight}")
+            if src.epochs is not None and not src.epochs > 0:
+                raise ConfigError(f"data.sources.{i}.epochs must be > 0 (or left out: no cap), got {src.epochs}")
+
 
 @dataclass
 class MetricsSection:
@@ -256,6 +356,9 @@ class MetricsSection:
                           "its kernels (one more sync per step). Off: time_optimizer_s is its launch time and the "
                           "optimizer's GPU time shows in the next step's time_compute_s.")
 
+    def check(self) -> None:
+        _at_least(1, metrics__log_every=self.log_every)
+
 
 @dataclass
 class EvalSection:
@@ -266,6 +369,13 @@ class EvalSection:
                          "ones; 0 = the whole set.")
     at_end: bool = _f(True, "Evaluate once more after the last step (when there is validation data).")
     micro_batch_size: int = _f(0, "Rows per evaluation forward; 0 = train.micro_batch_size.")
+
+    def check(self) -> None:
+        for key, v in (("eval.interval", self.interval), ("eval.max_tokens", self.max_tokens),
+                       ("eval.micro_batch_size", self.micro_batch_size)):
+            if v < 0:
+                raise ConfigError(f"{key} must be >= 0 (0 = {'off' if key == 'eval.interval' else 'the default'}), "
+                                  f"got {v}")
 
 
 @dataclass
@@ -278,6 +388,15 @@ class ProfileSection:
     steps: int = _f(2, "How many optimizer steps to trace (a ProfilerStep#N span each).")
     memory: bool = _f(True, "On CUDA also record a memory snapshot over the traced steps (up to 100,000 allocation "
                       "events).")
+
+    def check(self) -> None:
+        if not self.enabled:
+            return
+        if self.start_step < 1:
+            raise ConfigError(f"profile.start_step must be >= 1 (the first optimizer step to trace), got "
+                              f"{self.start_step}")
+        if self.steps < 1:
+            raise ConfigError(f"profile.steps must be >= 1 (how many steps to trace), got {self.steps}")
 
 
 @dataclass
@@ -300,6 +419,10 @@ class CheckpointSection:
         "seconds it gives up (exit 1; Ctrl-C: 130) and the last complete checkpoint stands. Keep it under "
         "the launcher's kill timeout.")
 
+    def check(self) -> None:
+        _at_least(0, checkpoint__interval=self.interval, checkpoint__keep_last=self.keep_last,
+                  checkpoint__preempt_grace_s=self.preempt_grace_s)
+
 
 @dataclass
 class EnvSection:
@@ -311,6 +434,11 @@ class EnvSection:
         {}, "Site-specific variables to set as well, e.g. [env.set] NCCL_IB_HCA = \"=mlx5_0,mlx5_1\" (or "
         "--env.set.NCCL_IB_HCA==mlx5_0,mlx5_1); they override the preset's values, not your environment's.",
         key="set")
+
+    def check(self) -> None:
+        bad = [k for k in self.set_ if not k or not all(c.isalnum() or c == "_" for c in k) or k[0].isdigit()]
+        if bad:
+            raise ConfigError(f"env.set: {bad[0]!r} is not an environment variable name (letters, digits, _)")
 
 
 @dataclass
@@ -328,6 +456,18 @@ class Config:
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return {s.name: _plain(getattr(self, s.name)) for s in dataclasses.fields(self)}
+
+    def check(self) -> None:
+        """Each section's own fields, then what ties two sections together."""
+        for s in dataclasses.fields(self):
+            getattr(self, s.name).check()
+        pr, lo = self.profile, self.lora
+        if pr.enabled and pr.start_step > self.train.steps:
+            raise ConfigError(f"profile.start_step={pr.start_step} is past train.steps={self.train.steps}: nothing "
+                              "would be traced; lower profile.start_step")
+        if lo.adapters_only and not (lo.rank and self.model.hf_dir):
+            raise ConfigError("lora.adapters_only needs lora.rank > 0 and model.init_from=hf:<dir> (the base to "
+                              "re-read)")
 
     def to_toml(self) -> str:
         return tomli_w.dumps(self.to_dict())
@@ -585,111 +725,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
 
 
 def validate(cfg: Config) -> None:
-    t, d, p, m = cfg.train, cfg.data, cfg.parallel, cfg.metrics
-    positive = {"train.steps": t.steps, "train.micro_batch_size": t.micro_batch_size,
-                "train.grad_accum": t.grad_accum, "data.seq_len": d.seq_len, "metrics.log_every": m.log_every,
-                "train.ac_every": t.ac_every,
-                "train.max_skipped_steps": t.max_skipped_steps}
-    for key, v in positive.items():
-        if v < 1:
-            raise ConfigError(f"{key} must be >= 1, got {v}")
-    for key in ("n_layers", "dim", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size"):
-        v = getattr(cfg.model, key)
-        if v is not None and v < 1:
-            raise ConfigError(f"model.{key} must be >= 1, got {v}")
-    if p.dp_replicate != "auto" and p.dp_replicate < 1:
-        raise ConfigError(f"parallel.dp_replicate must be >= 1 or auto, got {p.dp_replicate}")
-    if p.dp_shard != "auto" and p.dp_shard < 1 and p.dp_shard != -1:
-        raise ConfigError(f"parallel.dp_shard must be >= 1, -1 (fill) or auto, got {p.dp_shard}")
-    if p.dp_shard == -1 and p.dp_replicate == "auto":
-        raise ConfigError("parallel.dp_replicate=auto needs parallel.dp_shard as a number of ranks or auto "
-                          "(-1 means 'the rest of the world', which leaves nothing to choose)")
-    if isinstance(p.reshard_after_forward, int) and not isinstance(p.reshard_after_forward, bool) \
-            and p.reshard_after_forward < 1:
-        raise ConfigError(f"parallel.reshard_after_forward must be true, false, auto or a number of blocks >= 1, "
-                          f"got {p.reshard_after_forward}")
-    if p.prefetch < 1:
-        raise ConfigError(f"parallel.prefetch must be >= 1 (1 = FSDP's implicit prefetch of the next block), "
-                          f"got {p.prefetch}")
-    if p.nvlink_domain < 0:
-        raise ConfigError(f"parallel.nvlink_domain must be >= 0 (0 = one node), got {p.nvlink_domain}")
-    if p.nvlink_domain and (p.dp_shard != "auto" or p.dp_replicate != "auto"):
-        raise ConfigError(f"parallel.nvlink_domain={p.nvlink_domain} only shapes the mesh when parallel.dp_shard "
-                          f"and dp_replicate are both auto, but dp_shard={p.dp_shard}, dp_replicate={p.dp_replicate}: set both "
-                          "to auto or drop nvlink_domain")
-    e, pr = cfg.eval, cfg.profile
-    for key, v in (("eval.interval", e.interval), ("eval.max_tokens", e.max_tokens),
-                   ("eval.micro_batch_size", e.micro_batch_size)):
-        if v < 0:
-            raise ConfigError(f"{key} must be >= 0 (0 = {'off' if key == 'eval.interval' else 'the default'}), got {v}")
-    if pr.enabled:
-        if pr.start_step < 1:
-            raise ConfigError(f"profile.start_step must be >= 1 (the first optimizer step to trace), got {pr.start_step}")
-        if pr.steps < 1:
-            raise ConfigError(f"profile.steps must be >= 1 (how many steps to trace), got {pr.steps}")
-        if pr.start_step > t.steps:
-            raise ConfigError(f"profile.start_step={pr.start_step} is past train.steps={t.steps}: nothing would be "
-                              "traced; lower profile.start_step")
-    for key, v in (("parallel.init_timeout_s", p.init_timeout_s), ("parallel.step_timeout_s", p.step_timeout_s)):
-        if v <= 0:
-            raise ConfigError(f"{key} must be > 0 seconds, got {v}")
-    bad_env = [k for k in cfg.env.set_ if not k or not all(c.isalnum() or c == "_" for c in k) or k[0].isdigit()]
-    if bad_env:
-        raise ConfigError(f"env.set: {bad_env[0]!r} is not an environment variable name (letters, digits, _)")
-    nonneg = {"train.seed": t.seed, "train.lr": t.lr, "train.warmup_steps": t.warmup_steps, "train.weight_decay": t.weight_decay,
-              "train.grad_clip": t.grad_clip, "train.sample_tokens": t.sample_tokens, "train.eps": t.eps,
-              "train.loss_chunk_tokens": t.loss_chunk_tokens}
-    for key, v in nonneg.items():
-        if v < 0:
-            raise ConfigError(f"{key} must be >= 0, got {v}")
-    if not 0.0 <= t.min_lr_ratio <= 1.0:
-        raise ConfigError(f"train.min_lr_ratio must be in [0, 1], got {t.min_lr_ratio}")
-    for key, v in (("train.beta1", t.beta1), ("train.beta2", t.beta2)):
-        if not 0.0 <= v < 1.0:
-            raise ConfigError(f"{key} must be in [0, 1), got {v}")
-    c = cfg.checkpoint
-    for key, v in (("checkpoint.interval", c.interval), ("checkpoint.keep_last", c.keep_last),
-                   ("checkpoint.preempt_grace_s", c.preempt_grace_s)):
-        if v < 0:
-            raise ConfigError(f"{key} must be >= 0, got {v}")
-    lo = cfg.lora
-    if lo.rank < 0 or lo.alpha <= 0 or not 0.0 <= lo.dropout < 1.0:
-        raise ConfigError(f"lora.rank must be >= 0, lora.alpha > 0 and lora.dropout in [0, 1); got "
-                          f"{lo.rank}, {lo.alpha}, {lo.dropout}")
-    if lo.rank and not lo.targets:
-        raise ConfigError("lora.targets is empty; name the linear layers to adapt (e.g. q_proj,v_proj)")
-    if lo.adapters_only and not (lo.rank and cfg.model.hf_dir):
-        raise ConfigError("lora.adapters_only needs lora.rank > 0 and model.init_from=hf:<dir> (the base to re-read)")
-    if lo.base_dtype == "nf4" and not lo.rank:
-        raise ConfigError("lora.base_dtype=nf4 (QLoRA) quantises the frozen base of LoRA layers: set lora.rank > 0, "
-                          "or use lora.base_dtype=auto")
-    if lo.base_dtype != "auto" and not lo.rank:  # nothing is frozen: the setting would have no effect
-        raise ConfigError(f"lora.base_dtype={lo.base_dtype} stores the frozen base of a LoRA run, and lora.rank=0 "
-                          "trains every weight: set lora.rank > 0, or drop lora.base_dtype (auto)")
-    if cfg.model.init_from and not cfg.model.init_from.startswith(("hf:", "dcp:")):
-        raise ConfigError(f"model.init_from={cfg.model.init_from!r}: use hf:/path/to/hf_model_dir or "
-                          "dcp:/path/to/checkpoint")
-    if not t.output_dir:
-        raise ConfigError("train.output_dir must not be empty")
-    if not 0.0 <= d.max_bad_fraction <= 1.0 or d.prepare_workers < 0:
-        raise ConfigError(f"data.max_bad_fraction must be in [0, 1] and data.prepare_workers >= 0 (0 = every core); "
-                          f"got {d.max_bad_fraction}, {d.prepare_workers}")
-    if d.document_mask and d.format == "sft" and not d.pack:
-        raise ConfigError("data.document_mask has no effect with data.pack=false (one sample per row already); "
-                          "drop it or pack the samples")
-    if d.sources:
-        if d.path != DataSection().path:
-            raise ConfigError("data.path and data.sources are both set; a mixture reads data.sources only: drop "
-                              "data.path (or the sources)")
-        if d.format != "text":
-            raise ConfigError("data.sources (mixtures) are for data.format=text; for SFT pass one data.path")
-        for i, src in enumerate(d.sources):
-            if not src.path:
-                raise ConfigError(f"data.sources.{i}.path is empty; name a token store or files")
-            if not src.weight > 0:
-                raise ConfigError(f"data.sources.{i}.weight must be > 0, got {src.weight}")
-            if src.epochs is not None and not src.epochs > 0:
-                raise ConfigError(f"data.sources.{i}.epochs must be > 0 (or left out: no cap), got {src.epochs}")
+    """Every field in range and every combination meaningful, or one ConfigError naming it and the fix."""
+    cfg.check()
 
 
 def describe() -> str:
