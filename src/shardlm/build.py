@@ -22,7 +22,8 @@ from shardlm.models import ModelConfig, Transformer, get_preset
 from shardlm.parallel.ac import apply_ac
 from shardlm.parallel.compile import apply_compile
 from shardlm.parallel.fsdp import apply_fsdp, mp_policy, shard_view
-from shardlm.quant.fp8 import apply_fp8, check_fp8_hardware, fp8_all_gather
+from shardlm.quant.fp8 import apply_fp8, check_fp8_hardware
+from shardlm.resolve import base_dtype, frozen_dtype, uses_fp8_all_gather
 
 Materialize = Callable[[Transformer, Config, torch.device], None]
 
@@ -114,26 +115,6 @@ def _init_weights(model: Transformer, cfg: Config, device: torch.device) -> None
         return buf
 
     quantize_into(model, fill, device)
-
-
-def base_dtype(cfg: Config, device_type: str = "cuda") -> str:
-    """lora.base_dtype resolved: bf16 | fp32 | nf4 (auto = the training precision on `device_type`)."""
-    if cfg.lora.base_dtype != "auto":
-        return cfg.lora.base_dtype
-    return "fp32" if cfg.train.precision(device_type) == "fp32" else "bf16"
-
-
-def frozen_dtype(cfg: Config, device_type: str = "cuda") -> torch.dtype:
-    """Storage dtype of the frozen base parameters that are not NF4 (norms, embeddings, other linears)."""
-    b = base_dtype(cfg, device_type)
-    if b == "nf4":  # the rest of a QLoRA base: the training precision's
-        b = "fp32" if cfg.train.precision(device_type) == "fp32" else "bf16"
-    return torch.float32 if b == "fp32" else torch.bfloat16
-
-
-def uses_fp8_all_gather(cfg: Config, device: torch.device) -> bool:
-    """Whether FSDP all-gathers float8 weights (then the optimizer step is followed by a scale update)."""
-    return cfg.train.mixed_precision == "fp8" and fp8_all_gather(cfg.train.fp8_recipe, device)
 
 
 def meta_model(cfg: Config, mc: ModelConfig, device_type: str = "cuda") -> Transformer:

@@ -86,21 +86,22 @@ def test_lora_base_is_the_source_when_hf_source_is_absent(tmp_path):
 
 def _saved(tmp_path, cfg, tokenizer=None):
     """A checkpoint folder holding `cfg`'s sidecars and a checkpoint.json with `tokenizer`'s fingerprint."""
-    from shardlm.checkpoint.lineage import RECORD_FILE, Record
+    from shardlm.checkpoint.lineage import RECORD_FILE, Record, RunFacts
 
     ck = tmp_path / "ck" / "step-3"
     ck.mkdir(parents=True)
     CheckpointMeta.from_config(cfg, get_preset("debug"), tokenizer_spec(cfg)).save(ck)
-    (ck / RECORD_FILE).write_text(Record("a", 3, 1, info={"tokenizer": tokenizer} if tokenizer else {}).to_json())
+    (ck / RECORD_FILE).write_text(Record("a", 3, 1, facts=RunFacts(tokenizer=tokenizer or None)).to_json())
     return ck
 
 
 def _checker(cfg, tokenizer=None):
     from shardlm.checkpoint import Checkpointer
+    from shardlm.checkpoint.lineage import RunFacts
 
     return Checkpointer(cfg.checkpoint, cfg.checkpoint.dir, 1, None, None, {}, log=lambda line: None,
                         meta=CheckpointMeta.from_config(cfg, get_preset("debug"), tokenizer_spec(cfg)),
-                        info={"tokenizer": tokenizer} if tokenizer else {})
+                        facts=RunFacts(tokenizer=tokenizer or None))
 
 
 @pytest.mark.parametrize("change, field", [({"lora.alpha": 16.0}, "lora.alpha"),
@@ -153,7 +154,7 @@ def test_a_save_that_died_mid_swap_gets_its_checkpoint_back(tmp_path):
 def test_resume_check_names_the_data_source_whose_content_changed(tmp_path):
     """A source of the mixture swapped for another of the same size, or a file that grew: one line with both
     contents and the switch; the same content under another path of the cache is no change."""
-    from shardlm.checkpoint.lineage import RECORD_FILE, Record
+    from shardlm.checkpoint.lineage import RECORD_FILE, Record, RunFacts
     from shardlm.checkpoint.meta import data_changes
     from shardlm.errors import ConfigError
 
@@ -162,7 +163,7 @@ def test_resume_check_names_the_data_source_whose_content_changed(tmp_path):
     swapped = {"source": "c.jsonl", "documents": 300, "tokens": 30_000, "sha256": "cccc"}
     cfg = load_config(None, [])
     ck = _saved(tmp_path, cfg)
-    (ck / RECORD_FILE).write_text(Record("a", 3, 1, info={"data": [a, b]}).to_json())
+    (ck / RECORD_FILE).write_text(Record("a", 3, 1, facts=RunFacts(data=[a, b])).to_json())
 
     def check(data, allow=""):
         c = load_config(None, [f"--checkpoint.allow_changed={allow}"] if allow else [])
@@ -171,7 +172,7 @@ def test_resume_check_names_the_data_source_whose_content_changed(tmp_path):
         said: list[str] = []
         Checkpointer(c.checkpoint, c.checkpoint.dir, 1, None, None, {}, log=said.append,
                      meta=CheckpointMeta.from_config(c, get_preset("debug"), tokenizer_spec(c)),
-                     info={"data": data}).check(ck)
+                     facts=RunFacts(data=data)).check(ck)
         return said
 
     with pytest.raises(ConfigError, match=r"\(data: checkpoint 'source 2 b.jsonl: 300 documents, 30,000 tokens, "
@@ -190,3 +191,27 @@ def test_resume_check_names_the_data_source_whose_content_changed(tmp_path):
     grown = dict(a, tokens=60_100, sha256="dddd")
     assert data_changes([a], [grown]) == ("a.jsonl: 600 documents, 60,000 tokens, sha256 aaaa",
                                           "a.jsonl: 600 documents, 60,100 tokens, sha256 dddd")
+
+
+def test_run_facts_round_trip_and_read_older_or_odd_records(tmp_path):
+    """checkpoint.json's run facts come back typed as written; a field an older or hand-edited file lacks, or
+    holds in another shape, reads as None instead of failing the resume or being trusted."""
+    import json
+
+    from shardlm.checkpoint.lineage import RECORD_FILE, Record, RunFacts, Schedule, new_record
+
+    facts = RunFacts(world_size=4, global_batch=32, schedule=Schedule(100, (60, 0.25)),
+                     tokenizer={"spec": "bytes", "sha256": "bytes"}, data=[{"source": "a", "tokens": 5}])
+    (tmp_path / "step-1").mkdir()
+    rec = new_record(tmp_path, 1, None, facts)
+    (tmp_path / "step-1" / RECORD_FILE).write_text(rec.to_json())
+    back = Record.read(tmp_path / "step-1")
+    assert back is not None and back.facts.schedule == Schedule(100, (60, 0.25))
+    assert (back.facts.world_size, back.facts.global_batch, back.facts.tokenizer, back.facts.data) == \
+        (4, 32, facts.tokenizer, facts.data)
+    assert back.facts.saved_at and back.facts.host and facts.saved_at is None  # stamped on the saved copy only
+    odd = {"format": 1, "id": "x", "step": 2, "seq": 1, "world_size": "4", "global_batch": True,
+           "schedule": {"steps": "100"}, "tokenizer": "bytes"}
+    (tmp_path / "step-2").mkdir()
+    (tmp_path / "step-2" / RECORD_FILE).write_text(json.dumps(odd))
+    assert Record.read(tmp_path / "step-2").facts == RunFacts()

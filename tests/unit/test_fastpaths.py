@@ -207,7 +207,7 @@ def test_defaults():
     ("cuda", "tensorwise", True), ("cuda", "rowwise", False), ("cpu", "tensorwise", False)])
 def test_float8_config_for_the_device(device, recipe, all_gather):
     pytest.importorskip("torchao")
-    from shardlm.build import uses_fp8_all_gather
+    from shardlm.resolve import uses_fp8_all_gather
     from shardlm.quant.fp8 import float8_config
 
     cfg = load_config(None, ["--train.mixed_precision=fp8", f"--train.fp8_recipe={recipe}"])

@@ -29,7 +29,7 @@ import json
 import socket
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +37,53 @@ from shardlm.checkpoint.layout import complete_checkpoints
 
 RECORD_FILE = "checkpoint.json"
 BRANCHES = "branches"
+
+
+@dataclass
+class Schedule:
+    """The LR schedule a checkpoint was saved under: train.steps then, and where its decay restarted after a
+    resume that changed train.steps (`anchor`: (step, lr factor); see train/optim.lr_factor)."""
+
+    steps: int
+    anchor: tuple[int, float] | None = None
+
+    @classmethod
+    def from_json(cls, d: Any) -> Schedule | None:
+        if not isinstance(d, dict) or not isinstance(d.get("steps"), int):
+            return None
+        a = d.get("anchor")
+        return cls(d["steps"], (int(a[0]), float(a[1])) if isinstance(a, list) and len(a) == 2 else None)
+
+
+@dataclass
+class RunFacts:
+    """What the run that saved a checkpoint records beside its lineage: read back by a resume (the schedule,
+    the global batch), compared with the resuming run (the tokenizer, the data), shown to people (when, where).
+    A field the file lacks or holds in another shape reads as None (an older checkpoint)."""
+
+    world_size: int | None = None
+    global_batch: int | None = None
+    schedule: Schedule | None = None
+    tokenizer: dict[str, str] | None = None  # {"spec", "sha256"}: tokenizer_fingerprint
+    data: list[dict[str, Any]] | None = None  # per source: {"source", documents, tokens, sha256}
+    saved_at: str | None = None
+    host: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        d = {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
+        if self.schedule is not None:
+            a = self.schedule.anchor
+            d["schedule"] = {"steps": self.schedule.steps, "anchor": list(a) if a is not None else None}
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> RunFacts:
+        def typed(key: str, kind: type) -> Any:
+            v = d.get(key)
+            return v if isinstance(v, kind) and not isinstance(v, bool) else None
+
+        return cls(typed("world_size", int), typed("global_batch", int), Schedule.from_json(d.get("schedule")),
+                   typed("tokenizer", dict), typed("data", list), typed("saved_at", str), typed("host", str))
 
 
 @dataclass
@@ -48,20 +95,20 @@ class Record:
     seq: int
     parent: str | None = None
     ancestors: list[str] = field(default_factory=list)
-    info: dict[str, Any] = field(default_factory=dict)  # saved_at, host, world_size, schedule, tokenizer, ...
+    facts: RunFacts = field(default_factory=RunFacts)
 
     def to_json(self) -> str:
         return json.dumps({"format": 1, "id": self.id, "step": self.step, "seq": self.seq, "parent": self.parent,
-                           "ancestors": self.ancestors, **self.info}, indent=1)
+                           "ancestors": self.ancestors, **self.facts.to_json()}, indent=1)
 
     @classmethod
     def read(cls, directory: Path) -> Record | None:
         """The record of a checkpoint folder; None if it has none or it can't be read (counted as legacy)."""
         try:
             d = json.loads((directory / RECORD_FILE).read_text())
-            info = {k: v for k, v in d.items() if k not in ("format", "id", "step", "seq", "parent", "ancestors")}
-            rec = cls(str(d["id"]), int(d["step"]), int(d["seq"]), d.get("parent"), list(d.get("ancestors", [])), info)
-        except (OSError, ValueError, KeyError, TypeError):
+            rec = cls(str(d["id"]), int(d["step"]), int(d["seq"]), d.get("parent"), list(d.get("ancestors", [])),
+                      RunFacts.from_json(d))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
             return None
         return rec
 
@@ -159,8 +206,8 @@ def set_aside(folder: Path, resumed: Path | None, log, failed: tuple[Path, ...] 
     return dest
 
 
-def new_record(folder: Path, step: int, parent: Record | None, info: dict[str, Any]) -> Record:
+def new_record(folder: Path, step: int, parent: Record | None, facts: RunFacts) -> Record:
     """The record of a save at `step` that descends from `parent` (None: the lineage's first save)."""
     ancestors = [parent.id, *parent.ancestors] if parent is not None else []
-    full = {"saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "host": socket.gethostname(), **info}
+    full = replace(facts, saved_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"), host=socket.gethostname())
     return Record(uuid.uuid4().hex, step, next_seq(folder), parent.id if parent else None, ancestors, full)

@@ -43,7 +43,7 @@ from shardlm.config import CheckpointSection
 from shardlm._torch_compat import set_element
 from shardlm.checkpoint import lineage
 from shardlm.checkpoint.layout import METADATA, complete_checkpoints, step_of  # noqa: F401  (also imported from here)
-from shardlm.checkpoint.lineage import Record
+from shardlm.checkpoint.lineage import Record, RunFacts
 from shardlm.errors import CheckpointError, ConfigError, DataError
 
 if TYPE_CHECKING:
@@ -143,7 +143,7 @@ class Checkpointer:
 
     def __init__(self, cfg: CheckpointSection, folder: Path, rank: int, model: nn.Module,
                  optimizer: torch.optim.Optimizer, states: dict[str, Any], log=print, trainable_only: bool = False,
-                 meta: CheckpointMeta | None = None, info: dict[str, Any] | None = None):
+                 meta: CheckpointMeta | None = None, facts: RunFacts | None = None):
         from shardlm.checkpoint.meta import CHANGEABLE
 
         unknown = [f for f in cfg.allow_changed if f not in CHANGEABLE]
@@ -151,9 +151,9 @@ class Checkpointer:
             raise ConfigError(f"checkpoint.allow_changed: unknown field(s) {', '.join(unknown)}; valid: "
                               f"{', '.join(CHANGEABLE)}")
         self.cfg, self.folder, self.rank, self.log = cfg, folder, rank, log
-        # Run facts written into every checkpoint.json (world size, global batch, schedule, tokenizer);
-        # the trainer may update it before the first save.
-        self.info: dict[str, Any] = dict(info or {})
+        # Run facts written into every checkpoint.json (world size, global batch, schedule, tokenizer, data);
+        # the trainer may update them before a save.
+        self.facts = facts if facts is not None else RunFacts()
         self.parent: Record | None = None  # the record the next save descends from
         self.resumed_record: Record | None = None
         self.model, self.optimizer, self.states = model, optimizer, states
@@ -238,11 +238,11 @@ class Checkpointer:
         except CheckpointError:
             return  # a malformed sidecar: the load decides (and auto falls back)
         changes = resume_changes(saved, self.meta)
-        rec, tok = Record.read(path), self.info.get("tokenizer")
-        old_tok = rec.info.get("tokenizer") if rec is not None else None
-        if isinstance(old_tok, dict) and tok and old_tok.get("sha256") != tok.get("sha256"):
+        rec, tok = Record.read(path), self.facts.tokenizer
+        old_tok = rec.facts.tokenizer if rec is not None else None
+        if old_tok is not None and tok and old_tok.get("sha256") != tok.get("sha256"):
             changes["tokenizer"] = (old_tok.get("spec"), tok.get("spec"))
-        if (data := data_changes(rec.info.get("data") if rec is not None else None, self.info.get("data"))):
+        if (data := data_changes(rec.facts.data if rec is not None else None, self.facts.data)):
             changes["data"] = data  # another content: the saved data position would mean other samples
         allowed = set(self.cfg.allow_changed)
         bad = {k: v for k, v in changes.items() if k not in allowed}
@@ -376,7 +376,7 @@ class Checkpointer:
         if self.meta is not None:
             self.meta.save(tmp)
         step = int(final.name.split("-", 1)[1])
-        record = lineage.new_record(self.folder, step, self.parent, self.info)
+        record = lineage.new_record(self.folder, step, self.parent, self.facts)
         (tmp / lineage.RECORD_FILE).write_text(record.to_json())
         if final.exists():  # re-saving a step (resumed from an older checkpoint): swap, don't merge
             old = final.with_name(f".{final.name}.replaced")

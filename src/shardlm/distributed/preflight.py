@@ -328,3 +328,27 @@ class StepTimes:
         """The line naming a persistent straggler, once per episode (None otherwise); read after `record`."""
         line, self.pending = self.pending, None
         return line
+
+
+class BusyTime:
+    """A rank's busy host time per step: from leaving one step's token-count all-reduce to arriving at the
+    next one (data loading, forward, backward, optimizer: all but the wait for the slowest rank), averaged
+    over the steps since the last `slots` (see distributed/preflight.StepTimes)."""
+
+    def __init__(self) -> None:
+        self.left: float | None = None
+        self.total, self.n = 0.0, 0
+
+    def arrive(self) -> None:
+        if self.left is not None:
+            self.total += time.perf_counter() - self.left
+            self.n += 1
+
+    def leave(self) -> None:
+        self.left = time.perf_counter()
+
+    def slots(self, rank: int, world_size: int) -> list[float]:
+        """This rank's mean busy time in its slot of a world-sized vector (then start a new interval)."""
+        mean = self.total / self.n if self.n else 0.0
+        self.total, self.n = 0.0, 0
+        return step_time_slots(mean, rank, world_size)

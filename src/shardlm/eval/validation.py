@@ -32,7 +32,15 @@ from shardlm.data.order import IGNORE_INDEX, check_ids
 from shardlm.errors import DataError
 
 
-class Validator:
+class Due:
+    def due(self, step: int, final: bool, stopped: bool) -> bool:
+        """Whether step `step` ends with an evaluation: a multiple of eval.interval, or the last step with
+        eval.at_end (not when stopping early: a SIGTERM's grace is for the checkpoint). Alike on every rank."""
+        e = self.eval_cfg
+        return bool(e.interval and step % e.interval == 0) or (e.at_end and final and not stopped)
+
+
+class Validator(Due):
     """The fixed validation set of `store` for this rank, and `evaluate(model)` over it (a collective)."""
 
     def __init__(self, cfg, store, tokenizer, dp_rank: int, dp_size: int, device: torch.device):
@@ -41,6 +49,7 @@ class Validator:
         from shardlm.data.sft import SFTLoader, SFTSamples
 
         d, e = cfg.data, cfg.eval
+        self.eval_cfg = e
         self.device, self.dp_rank, self.dp_size, self.path = device, dp_rank, dp_size, store.path
         self.mbs = e.micro_batch_size or cfg.train.micro_batch_size
         self.loss_chunk_tokens = cfg.train.loss_chunk_tokens  # as training: never the full fp32 logits
@@ -121,7 +130,7 @@ def _metrics(sums: list[float], n_bytes: int | None, t0: float) -> dict[str, Any
             "val_tokens": int(n), "val_time_s": time.perf_counter() - t0}
 
 
-class MixtureValidation:
+class MixtureValidation(Due):
     """A mixture's validation: each source store's own `val/`, one Validator each (eval.max_tokens split evenly
     between them). val_loss is over every target token of all of them (sums, one all-reduce for all), and each
     source's own val_loss is in the record as `val_loss/<name>`."""
@@ -133,6 +142,7 @@ class MixtureValidation:
         share = cfg.eval.max_tokens // len(stores) if cfg.eval.max_tokens else 0
         each = dataclasses.replace(cfg, eval=dataclasses.replace(cfg.eval, max_tokens=share)) if share else cfg
         self.parts = [Validator(each, s, tokenizer, dp_rank, dp_size, device) for s in stores]
+        self.eval_cfg = cfg.eval
         self.names = names
         self.n_rows = sum(v.n_rows for v in self.parts)
 

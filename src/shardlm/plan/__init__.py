@@ -74,7 +74,7 @@ import time
 
 import torch.distributed as dist
 
-from shardlm.build import base_dtype
+from shardlm.resolve import base_dtype
 from shardlm.config import Config
 from shardlm.errors import ConfigError, PlanError
 from shardlm.plan.attention import FLEX_NOTE

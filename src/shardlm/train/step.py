@@ -13,7 +13,9 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from shardlm.train.sdpa import sdpa_context
 
@@ -64,3 +66,23 @@ def forward_backward(model: nn.Module, batches: list[Batch], scale: float, devic
             loss_sum += loss.detach()
             del loss
     return loss_sum
+
+
+def nonfinite_report(loss_sum: torch.Tensor, params: list) -> str:
+    """Which ranks saw a non-finite loss or local gradient (the exceptional path: one all-gather)."""
+    grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in params if p.grad is not None]
+    grads_ok = all(bool(torch.isfinite(g).all()) for g in grads)
+    mine = torch.tensor([float(bool(torch.isfinite(loss_sum))), float(grads_ok)])
+    every = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, mine)
+    bad_loss = [r for r, v in enumerate(every) if not v[0]]
+    bad_grad = [r for r, v in enumerate(every) if not v[1]]
+
+    def ranks(rs: list[int]) -> str:
+        return f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))}"
+
+    if bad_loss:
+        return f"loss is not finite on {ranks(bad_loss)}"
+    if bad_grad:
+        return f"gradients are not finite on {ranks(bad_grad)} (loss finite on every rank)"
+    return "the gradient norm overflowed (every loss and gradient finite)"

@@ -495,8 +495,8 @@ def _recorded_tokenizer(ck: Path, meta: CheckpointMeta) -> str | None:
     if meta.tokenizer is not None:
         return meta.tokenizer
     rec = Record.read(ck)
-    tok = rec.info.get("tokenizer") if rec is not None else None
-    spec = tok.get("spec") if isinstance(tok, dict) else None
+    tok = rec.facts.tokenizer if rec is not None else None
+    spec = tok.get("spec") if tok is not None else None
     return spec if isinstance(spec, str) and spec else None
 
 
