@@ -27,7 +27,7 @@ $(VENV)/.core: $(VENV)/.base pyproject.toml
 	@touch $@
 
 $(VENV)/.dev: $(VENV)/.base pyproject.toml
-	$(PIP) install -e '.[dev,hf,viz,fp8,data,wandb,eval]'
+	$(PIP) install -e '.[dev,hf,viz,fp8,data,wandb,eval,docs]'
 	@touch $@ $(VENV)/.core
 
 install: $(VENV)/.core

@@ -152,8 +152,8 @@ def test_presets_lists_every_preset(capsys):
 
 
 def test_convert_and_generate_say_the_same_of_a_path_that_is_no_checkpoint(capsys, tmp_path):
-    """Exit 5 (checkpoint missing or incomplete, as the README's table says) from every command, and the line
-    says which: a path that does not exist is not reported as a missing .metadata."""
+    """Exit 5 (checkpoint missing or incomplete, as the table in docs/concepts.md says) from every command, and
+    the line says which: a path that does not exist is not reported as a missing .metadata."""
     ck = tmp_path / "checkpoints"
     (ck / "step-4").mkdir(parents=True)
     (ck / "step-4" / ".metadata").write_bytes(b"")
@@ -172,7 +172,7 @@ def test_convert_and_generate_say_the_same_of_a_path_that_is_no_checkpoint(capsy
                           f"({ck} holds step-4)"
 
 
-def test_help_lists_every_exit_code_and_the_readme_agrees(capsys):
+def test_help_lists_every_exit_code_and_the_docs_agree(capsys):
     import re
     from pathlib import Path
 
@@ -184,6 +184,6 @@ def test_help_lists_every_exit_code_and_the_readme_agrees(capsys):
     out = capsys.readouterr().out
     for code, what in EXIT_CODES.items():
         assert f"{code:>3}  {what}" in out
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    table = {int(m.group(1)) for m in re.finditer(r"^\| (\d+) \| ", readme, re.M)}
+    page = (Path(__file__).resolve().parents[2] / "docs" / "concepts.md").read_text()  # "Errors and exit codes"
+    table = {int(m.group(1)) for m in re.finditer(r"^\| (\d+) \| ", page, re.M)}
     assert table == set(EXIT_CODES), (table, set(EXIT_CODES))

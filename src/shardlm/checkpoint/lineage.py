@@ -9,7 +9,7 @@ Rank 0 writes `checkpoint.json` into every checkpoint before it is published:
 
 `seq` counts saves in the folder (the newest save has the highest), `parent` is the checkpoint the
 saved state descends from (the previous save, or the checkpoint the run resumed from) and
-`ancestors` all of them, nearest first. The rules (README, "Resume, branches and pruning"):
+`ancestors` all of them, nearest first. The rules (docs/checkpoints.md, "Rules"):
 
 - The folder's *current lineage* is its most recent save and that save's ancestors. `resume=auto`
   loads the newest of them, and falls back only along them.

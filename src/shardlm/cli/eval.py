@@ -76,8 +76,8 @@ def _task_manager(tasks: list[str], include_path: str | None):
 
 
 HUB_FIX = ("run the eval once where the hub is reachable (that fills the cache), point HF_DATASETS_CACHE at a copy "
-           "of a cache that has the data, or evaluate a task YAML over local files (--include-path; README: "
-           "Evaluation)")
+           "of a cache that has the data, or evaluate a task YAML over local files (--include-path; "
+           "docs/generate-eval.md: local tasks)")
 
 
 def hub_datasets(manager, tasks: list[str]) -> dict[str, tuple[str, str | None]]:
