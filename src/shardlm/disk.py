@@ -5,6 +5,9 @@ OSError into a `StorageError` with `disk_error(exc, folder, what, needed=...)`: 
 the free and total space there (or the `ulimit -f` limit), how much was needed when known, and the fix.
 The CLI turns any other such OSError into the same kind of line (`from_oserror`). Python ignores SIGXFSZ, so
 a write past `ulimit -f` is an EFBIG error here, not a killed process.
+
+Before a big write, `check_free(path, need, error)` is the one free-space check (the run folders, the HF
+export): the writer passes its own line.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import os
 import re
 import resource
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 from shardlm.errors import StorageError
@@ -58,7 +62,7 @@ def inferred_disk_oserror(folder: str | Path, written: str | Path | None = None)
         if any(f.is_file() and f.stat().st_size >= soft for f in Path(written).rglob("*")):
             return OSError(errno.EFBIG, os.strerror(errno.EFBIG))
     try:
-        if shutil.disk_usage(_existing(Path(folder))).free < FULL_BELOW:
+        if free_bytes(folder) < FULL_BELOW:
             return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
     except OSError:
         pass
@@ -74,6 +78,22 @@ def _existing(path: Path) -> Path:
     while not path.exists() and path != path.parent:
         path = path.parent
     return path
+
+
+def free_bytes(path: str | Path) -> int:
+    """Free bytes on the disk of `path`, or of its nearest existing parent (a folder not made yet)."""
+    return shutil.disk_usage(_existing(Path(path))).free
+
+
+def check_free(path: str | Path, need_bytes: float, error: Callable[[int, Path], Exception]) -> int:
+    """The one free-space check before a big write: raise `error(free, folder)` (the writer's own line;
+    `folder`: `path` or its nearest existing parent, where it was measured) when the disk of `path` has less
+    than `need_bytes` free; else return the free bytes."""
+    folder = _existing(Path(path))
+    free = shutil.disk_usage(folder).free
+    if free < need_bytes:
+        raise error(free, folder)
+    return free
 
 
 def mount_point(path: str | Path) -> Path:
@@ -131,5 +151,5 @@ def from_oserror(exc: OSError) -> StorageError:
     return StorageError(f"writing {name}: {describe(exc, folder)}; {fix(exc, folder)}")
 
 
-__all__ = ["DISK_ERRNOS", "describe", "disk_cause", "disk_error", "find_disk_oserror", "from_oserror", "gb",
-           "inferred_disk_oserror", "mount_point"]
+__all__ = ["DISK_ERRNOS", "check_free", "describe", "disk_cause", "disk_error", "find_disk_oserror", "free_bytes",
+           "from_oserror", "gb", "inferred_disk_oserror", "mount_point"]

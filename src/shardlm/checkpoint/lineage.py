@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from shardlm.checkpoint.layout import complete_checkpoints
+from shardlm.fsutil import free_name
 
 RECORD_FILE = "checkpoint.json"
 BRANCHES = "branches"
@@ -188,11 +189,7 @@ def set_aside(folder: Path, resumed: Path | None, log, failed: tuple[Path, ...] 
     others = [p for p in complete_checkpoints(folder) if p not in keep]
     if not others:
         return None
-    dest = folder / BRANCHES / time.strftime("%Y%m%d-%H%M%S")
-    n = 0
-    while dest.exists():
-        n += 1
-        dest = dest.with_name(f"{dest.name.split('.')[0]}.{n}")
+    dest = free_name(folder / BRANCHES, time.strftime("%Y%m%d-%H%M%S"))
     dest.mkdir(parents=True)
     for p in others:
         p.rename(dest / p.name)

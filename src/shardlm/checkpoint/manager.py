@@ -45,6 +45,7 @@ from shardlm.checkpoint import lineage
 from shardlm.checkpoint.layout import METADATA, complete_checkpoints, step_of  # noqa: F401  (also imported from here)
 from shardlm.checkpoint.lineage import Record, RunFacts
 from shardlm.errors import CheckpointError, ConfigError, DataError
+from shardlm.fsutil import swap_in
 
 if TYPE_CHECKING:
     from shardlm.checkpoint.meta import CheckpointMeta
@@ -378,13 +379,9 @@ class Checkpointer:
         step = int(final.name.split("-", 1)[1])
         record = lineage.new_record(self.folder, step, self.parent, self.facts)
         (tmp / lineage.RECORD_FILE).write_text(record.to_json())
-        if final.exists():  # re-saving a step (resumed from an older checkpoint): swap, don't merge
-            old = final.with_name(f".{final.name}.replaced")
-            final.rename(old)
-            tmp.rename(final)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            tmp.rename(final)
+        # Re-saving a step (resumed from an older checkpoint): the old one is swapped out whole, not merged;
+        # a death between the two renames leaves it as .step-N.replaced, which remove_partials puts back.
+        swap_in(tmp, final, aside=final.with_name(f".{final.name}.replaced"))
         self.parent = record
         how = f"waited {seconds:.2f}s for the async write" if waited else f"{seconds:.2f}s"
         self.log(f"checkpoint: saved {final} ({how})")

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from shardlm.errors import ConfigError
 from shardlm.extras import require
+from shardlm.fsutil import staged
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -230,12 +231,8 @@ def plot_runs(run_dirs: Sequence[str | os.PathLike], out: str | os.PathLike, x: 
                  f"{run.path} (line {shown})")
     fig = make_figure(runs, x=x, log_loss=log_loss)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    try:
+    with staged(out, tmp=out.with_name(f".{out.name}.tmp-{os.getpid()}")) as tmp:
         fig.savefig(tmp, format=fmt)
-        tmp.replace(out)
-    finally:
-        tmp.unlink(missing_ok=True)
     return out
 
 

@@ -30,8 +30,9 @@ from shardlm.checkpoint.manager import not_a_checkpoint
 from shardlm.checkpoint.meta import CheckpointMeta, tokenizer_dir_of
 from shardlm.checkpoint.reader import CheckpointReader
 from shardlm.config import LoraSection
-from shardlm.errors import ConfigError
-from shardlm.fsutil import pid_alive
+from shardlm.disk import check_free, disk_error, mount_point
+from shardlm.errors import ConfigError, StorageError
+from shardlm.fsutil import pid_alive, remove, staged
 from shardlm.interop.hf.config import config_to_hf
 from shardlm.interop.hf.load import INDEX_FILE, SINGLE_FILE
 from shardlm.interop.hf.names import (
@@ -187,53 +188,42 @@ def check_out_dir(out: Path, keep: Iterable[Path | None] = ()) -> None:
 
 
 def check_free_space(out: Path, need_bytes: int) -> None:
-    """ConfigError if the filesystem of `out` has less than `need_bytes` (+5%) free (the previous export,
+    """StorageError if the filesystem of `out` has less than `need_bytes` (+5%) free (the previous export,
     if any, stays until the new one is complete)."""
-    p = out.resolve()
-    while not p.exists():
-        p = p.parent
-    free = shutil.disk_usage(p).free
-    if free < need_bytes * 1.05:
-        from shardlm.disk import mount_point
-        from shardlm.errors import StorageError
-
-        raise StorageError(f"not enough free space for the export in {p} (disk {mount_point(p)}): it needs "
-                           f"{need_bytes / 1e9:.2f} GB, {free / 1e9:.2f} GB are free; free space there or pass "
-                           "another folder")
+    check_free(out.resolve(), need_bytes * 1.05, lambda free, p: StorageError(
+        f"not enough free space for the export in {p} (disk {mount_point(p)}): it needs {need_bytes / 1e9:.2f} "
+        f"GB, {free / 1e9:.2f} GB are free; free space there or pass another folder"))
 
 
 @contextlib.contextmanager
 def written_aside(out: Path, need_bytes: int | None = None) -> Iterator[Path]:
-    """Yield a temp folder beside `out` to write into; on success it replaces `out` whole (rename), on
-    any failure (or Ctrl-C) it is removed and `out` is as it was. A kill leaves only the temp folder,
+    """Yield a temp folder beside `out` to write into (`fsutil.staged`); on success it replaces `out` whole,
+    on any failure (or Ctrl-C) it is removed and `out` is as it was. A kill leaves only the temp folder,
     which the next export's `clean_leftovers` removes."""
-    tmp = _aside(out, "tmp")
-    try:
-        tmp.mkdir(parents=True)
-    except OSError as e:
-        raise ConfigError(f"cannot write the export next to {out} ({e.strerror or e}); pass a writable folder") \
-            from None
-    try:
-        yield tmp
-    except Exception as e:  # disk full, quota, size limit, permissions: one line; the previous export stands
-        from shardlm.disk import disk_error
-
-        shutil.rmtree(tmp, ignore_errors=True)
-        kept = "the previous export is unchanged" if out.exists() else "nothing was written"
-        if (err := disk_error(e, out.parent, f"export {out}", needed=need_bytes, after=kept)) is not None:
+    with staged(out, tmp=_aside(out, "tmp"), aside=_aside(out, "old")) as tmp:
+        try:
+            tmp.mkdir(parents=True)
+        except OSError as e:
+            raise ConfigError(f"cannot write the export next to {out} ({e.strerror or e}); pass a writable "
+                              "folder") from None
+        try:
+            yield tmp
+        except Exception as e:  # disk full, quota, size limit, permissions: one line; the previous export stands
+            remove(tmp)  # before the line measures the free space
+            if (err := _failed_export(e, out, need_bytes)) is None:
+                raise
             raise err from None
-        if isinstance(e, OSError):
-            raise ConfigError(f"cannot write the export {out} ({e.strerror or e}); {kept}") from None
-        raise
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    old = _aside(out, "old") if out.exists() else None
-    if old is not None:
-        out.rename(old)
-    tmp.rename(out)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+
+
+def _failed_export(e: Exception, out: Path, need_bytes: int | None) -> Exception | None:
+    """The one line of an export that failed writing: a full disk (StorageError) or another OSError
+    (ConfigError); None for anything else (raised as it is)."""
+    kept = "the previous export is unchanged" if out.exists() else "nothing was written"
+    if (err := disk_error(e, out.parent, f"export {out}", needed=need_bytes, after=kept)) is not None:
+        return err
+    if isinstance(e, OSError):
+        return ConfigError(f"cannot write the export {out} ({e.strerror or e}); {kept}")
+    return None
 
 
 # -- token ids: config.json and generation_config.json ------------------------------------------------

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import shutil
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
@@ -17,6 +16,7 @@ from torch.distributed.checkpoint.planner import WriteItemType
 from shardlm.checkpoint.meta import CheckpointMeta
 from shardlm.checkpoint.reader import SINGLE_PROCESS_WARNING
 from shardlm.errors import ConfigError
+from shardlm.fsutil import staged
 from shardlm.interop.hf.config import read_hf_config
 from shardlm.interop.hf.export import OUT_DTYPES
 from shardlm.interop.hf.load import ST_DTYPES, check_hf_tensors, scan_hf_weights
@@ -77,18 +77,14 @@ def import_hf_to_dcp(
     out = Path(out_checkpoint_dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ConfigError(f"{out} already exists and is not an empty folder; pass a new checkpoint folder")
-    tmp = out.with_name(f".{out.name}.partial")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=SINGLE_PROCESS_WARNING)
-        dcp.save({"model": meta_sd}, checkpoint_id=str(tmp), planner=_LazyHFPlanner(sources, dtype_of),
-                 no_dist=True)
-    # Where it came from: `model.init_from=dcp:<out>` then finds the tokenizer, the export its source.
-    src_abs = src.resolve()
-    CheckpointMeta(model=cfg, init_from=f"hf:{src_abs}",
-                   tokenizer=str(src_abs) if (src_abs / "tokenizer.json").is_file() else None).save(tmp)
-    if out.exists():
-        out.rmdir()  # an empty folder (a non-empty one is refused by rmdir)
-    tmp.rename(out)
+    # Written beside `out` and swapped in (an empty `out` is replaced); a failure leaves nothing.
+    with staged(out, tmp=out.with_name(f".{out.name}.partial"), folder=True) as tmp:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=SINGLE_PROCESS_WARNING)
+            dcp.save({"model": meta_sd}, checkpoint_id=str(tmp), planner=_LazyHFPlanner(sources, dtype_of),
+                     no_dist=True)
+        # Where it came from: `model.init_from=dcp:<out>` then finds the tokenizer, the export its source.
+        src_abs = src.resolve()
+        CheckpointMeta(model=cfg, init_from=f"hf:{src_abs}",
+                       tokenizer=str(src_abs) if (src_abs / "tokenizer.json").is_file() else None).save(tmp)
     return cfg
