@@ -346,3 +346,12 @@ def generate(model: nn.Module, prompt: list[int], max_new_tokens: int, context: 
     (c,) = generate_batch(model, [prompt], max_new_tokens, sampling=Sampling(temperature, top_k, top_p, seed),
                           stop_ids=stop_ids, context=context, use_cache=use_cache, device=device)
     return list(prompt) + c.ids
+
+
+def sample(model: nn.Module, tokenizer, t, context: int, device: torch.device) -> list[str]:
+    """The end-of-training sample (train.sample_tokens from train.sample_prompt, seeded by train.seed): a
+    warning line when it would run past the context, then `sample:` and the text."""
+    prompt = prompt_ids(tokenizer, t.sample_prompt)
+    warning = check_context([prompt], t.sample_tokens, context, "train.sample_tokens")
+    ids = generate(model, prompt, t.sample_tokens, context, seed=t.seed, device=device)
+    return ([f"sample: warning: {warning}"] if warning else []) + ["sample:\n" + tokenizer.decode(ids)]

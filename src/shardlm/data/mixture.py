@@ -92,6 +92,13 @@ class MixtureOrder:
         """Samples the run can draw before every source is exhausted; None when a source is unlimited."""
         return None if any(cap is None for cap in self.caps) else sum(self.caps)
 
+    def check_feeds(self, steps: int, global_batch: int) -> None:
+        """A mixture whose epoch caps cannot feed `steps` optimizer steps fails at the start, not mid-run."""
+        cap, need = self.max_samples(), steps * global_batch
+        if cap is not None and need > cap:
+            raise DataError(f"data.sources: the epochs caps allow {cap:,} samples, train.steps={steps} needs "
+                            f"{need:,}; raise the caps or lower train.steps")
+
     def assign(self, count: int) -> tuple[np.ndarray, np.ndarray]:
         """The sources and per-source sample indices of the next `count` global samples (does not advance).
 

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from shardlm.data.order import IGNORE_INDEX, check_ids
-from shardlm.errors import DataError
+from shardlm.errors import ConfigError, DataError
 
 
 class Due:
@@ -160,6 +160,30 @@ class MixtureValidation(Due):
         for name, (total, n) in zip(self.names, sums.tolist()):
             out[f"val_loss/{name}"] = total / n if n else None
         return out
+
+
+def needs_validation(cfg, val_store, val_sources: list) -> None:
+    """eval.interval without validation data is a ConfigError naming where the data can come from."""
+    e = cfg.eval
+    if val_store is None and not val_sources and e.interval:
+        how = ("mix token stores prepared with --val-fraction / --val (each source's val/ is used)"
+               if cfg.data.sources else "train on a store prepared with --val-fraction / --val")
+        raise ConfigError(f"eval.interval={e.interval} needs validation data: set data.val_path (a store or "
+                          f"files), or {how}; or eval.interval=0")
+
+
+def build_validator(cfg, val_store, val_sources: list, tokenizer, dp_rank: int, dp_size: int,
+                    device: torch.device) -> Validator | MixtureValidation | None:
+    """The run's validation: over `val_store`, or over each (name, store) of a mixture's `val_sources`; None
+    when the run never evaluates (eval.interval=0 and eval.at_end=false) or has nothing to evaluate on."""
+    if not (cfg.eval.interval or cfg.eval.at_end):
+        return None
+    if val_store is not None:
+        return Validator(cfg, val_store, tokenizer, dp_rank, dp_size, device)
+    if val_sources:
+        return MixtureValidation(cfg, [v for _, v in val_sources], [n for n, _ in val_sources], tokenizer, dp_rank,
+                                 dp_size, device)
+    return None
 
 
 def _utf8_bytes(tokenizer, ids: np.ndarray, chunk: int = 1 << 20) -> int | None:

@@ -14,7 +14,7 @@ from typing import Any
 from torch import nn
 
 from shardlm._torch_compat import float8_linear_class
-from shardlm.config import Config
+from shardlm.config import Config, EvalSection
 from shardlm.data import MixtureLoader
 from shardlm.distributed.preflight import StepTimes
 from shardlm.observe.metrics import MetricsLogger
@@ -40,6 +40,14 @@ class Report:
             self.metrics.write(text)
         elif self.rank0:
             print(text, flush=True)
+
+    def validation_sets(self, e: EvalSection, stores: list) -> None:
+        """`data: validation store PATH: N documents, M tokens; evaluated every K steps and at the end`."""
+        when = (f"every {e.interval} steps" if e.interval else "") + (" and " if e.interval and e.at_end else "") \
+            + ("at the end" if e.at_end else "")
+        for store in stores:
+            self.line(f"data: validation store {store.path}: {store.documents:,} documents, {store.n_tokens:,} "
+                      f"tokens; evaluated {when}")
 
     def step(self, record: dict[str, Any], step: int) -> None:
         """One record to metrics.jsonl (and TensorBoard) and to W&B."""

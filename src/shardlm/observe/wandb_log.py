@@ -87,3 +87,18 @@ class WandbLogger:
 
 
 __all__ = ["ID_FILE", "WandbLogger", "run_id"]
+
+
+def run_wandb(output_dir: Path, cfg: Any, resumed: bool, rank0: bool, on_rank0: Callable, log) -> WandbLogger | None:
+    """The run's W&B logger when metrics.wandb is on (rank 0 logs, the others hold a disabled one). Rank 0's
+    start may fail (no login): through `on_rank0` every rank stops with its line, none reports a peer gone."""
+    m = cfg.metrics
+    if not m.wandb:
+        return None
+
+    def make(enabled: bool) -> WandbLogger:
+        return WandbLogger(output_dir, cfg.to_dict(), m.wandb_project, m.wandb_run_name or None, enabled=enabled,
+                           resumed=resumed, log=log)
+
+    made = on_rank0(lambda: make(True))
+    return made if rank0 else make(False)

@@ -23,11 +23,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
 
+from shardlm.checkpoint.lineage import RunFacts
 from shardlm.config import TrainSection
 from shardlm.errors import ConfigError
 
@@ -329,6 +330,26 @@ def extended_anchor(step: int, t: TrainSection, saved_steps: int, saved: Anchor 
     if saved_steps == t.steps or step < t.warmup_steps or t.lr_schedule == "constant":
         return saved
     return step, lr_factor(step, dataclasses.replace(t, steps=saved_steps), saved)
+
+
+def resume_anchor(facts: RunFacts, step: int, t: TrainSection, global_batch: int, world_size: int,
+                  log: Callable[[str], None]) -> Anchor | None:
+    """The schedule's anchor for a run resumed at `step` from a checkpoint with these run facts (RunFacts);
+    what changed since (the global batch, train.steps) is said in a line."""
+    if facts.global_batch not in (None, global_batch):
+        log(f"resume: the global batch changes from {facts.global_batch} to {global_batch} sequences "
+            f"({facts.world_size} -> {world_size} ranks x train.micro_batch_size={t.micro_batch_size} x "
+            f"grad_accum={t.grad_accum}); the data goes on where it stopped, the LR schedule counts optimizer steps "
+            "as before")
+    if facts.schedule is None:
+        return None
+    saved_steps = facts.schedule.steps
+    anchor = extended_anchor(step, t, saved_steps, facts.schedule.anchor)
+    if saved_steps != t.steps:
+        log(f"resume: train.steps {saved_steps} -> {t.steps}: the learning rate goes on from "
+            f"{t.lr * lr_factor(step, t, anchor):.3g} at step {step} and decays to {t.lr * t.min_lr_ratio:.3g} at "
+            f"step {t.steps} (no jump back up)")
+    return anchor
 
 
 class LRSchedule:

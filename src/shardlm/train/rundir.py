@@ -137,3 +137,12 @@ def prepare_metrics_file(out: Path, resumed_step: int | None, log=print) -> None
             keep.append(line)
     with staged(path) as tmp:
         tmp.write_text("".join(line + "\n" for line in keep))
+
+
+def write_run_files(out: Path, config_toml: str, resumed_step: int | None, log=print) -> None:
+    """config.toml and metrics.jsonl, written once the run is known to start (a failed retry leaves the last
+    one): a config that differs from the last start's keeps the old one aside; a resume cuts metrics.jsonl
+    back to `resumed_step`."""
+    if kept := write_config(out, config_toml):
+        log(f"config: this start's config.toml differs from the last one, kept as {kept.name}")
+    prepare_metrics_file(out, resumed_step, log=log)

@@ -10,6 +10,7 @@ the output head at a time (train.loss_chunk_tokens): full (tokens, vocab) fp32 l
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -17,6 +18,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from shardlm.config import TrainSection
+from shardlm.errors import TrainingError
 from shardlm.train.sdpa import sdpa_context
 
 Batch = tuple[torch.Tensor, ...]  # (inputs, labels) or (inputs, labels, positions), each (B, T) int64
@@ -86,3 +89,39 @@ def nonfinite_report(loss_sum: torch.Tensor, params: list) -> str:
     if bad_grad:
         return f"gradients are not finite on {ranks(bad_grad)} (loss finite on every rank)"
     return "the gradient norm overflowed (every loss and gradient finite)"
+
+
+class NonfiniteSteps:
+    """train.nonfinite: a non-finite step stops the run with one line, or is skipped and counted (and too many
+    in a row stop it)."""
+
+    def __init__(self, t: TrainSection, log: Callable[[str], None]):
+        self.t, self.log = t, log
+        self.in_row = self.total = 0
+
+    def good(self) -> None:
+        self.in_row = 0
+
+    def bad(self, step: int, what: str) -> None:
+        """Optimizer step `step` was not applied because of `what` (nonfinite_report's line)."""
+        t, where = self.t, f"optimizer step {step}: {what}"
+        if t.nonfinite == "stop":
+            raise TrainingError(f"non-finite {where}; the update was not applied and the last checkpoint stands. "
+                                "Lower train.lr, set train.grad_clip, use train.mixed_precision=fp32, or "
+                                "train.nonfinite=skip to drop such steps")
+        self.in_row += 1
+        self.total += 1
+        self.log(f"skipped non-finite {where} ({self.in_row} in a row, {self.total} in all; "
+                 "no update, the batch is consumed)")
+        if self.in_row >= t.max_skipped_steps:
+            raise TrainingError(f"{self.in_row} non-finite steps in a row (train.max_skipped_steps="
+                                f"{t.max_skipped_steps}); the last checkpoint stands. Lower train.lr or check the data")
+
+
+@dataclass
+class StepResult:
+    loss: torch.Tensor  # this rank's share of the global mean loss (all-reduce to get it)
+    grad_norm: float  # global, before clipping
+    stop: bool  # some rank was asked to stop (SIGTERM or Ctrl-C)
+    interrupted: bool  # ... by Ctrl-C: the run ends with exit 130, not 0
+    nonfinite: str | None  # what went bad (the update was not applied), or None

@@ -10,7 +10,6 @@ from __future__ import annotations
 import math
 import os
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -27,33 +26,24 @@ from shardlm.data.store import is_store
 from shardlm.distributed.env import shutdown_distributed
 from shardlm.distributed.preflight import BusyTime, StepTimes
 from shardlm.distributed.watchdog import set_timeouts
-from shardlm.errors import ConfigError, DataError, Interrupted, TrainingError
-from shardlm.eval.validation import MixtureValidation, Validator, best_logged
-from shardlm.generate import check_context, generate, prompt_ids
+from shardlm.errors import Interrupted
+from shardlm.eval.validation import best_logged, build_validator, needs_validation
+from shardlm.generate import sample
 from shardlm.models.llama import document_attention_backend
 from shardlm.observe.metrics import MetricsLogger, Throughput, peak_flops, read_and_reset_peak_memory
 from shardlm.observe.profiler import PhaseTimer, StepProfiler
 from shardlm.observe.report import Report, data_note, fastpath_note, mesh_note, precision_note, trainable_note
-from shardlm.observe.wandb_log import WandbLogger
+from shardlm.observe.wandb_log import run_wandb
 from shardlm.parallel.dims import dp_rank
 from shardlm.parallel.fsdp import DTYPES, clip_grad_norm_, settle_auto_reshard
 from shardlm.quant.fp8 import precompute_fp8_scales
 from shardlm.resolve import checkpoint_dir, resolve
-from shardlm.train.optim import build_lr_scheduler, build_optimizer, extended_anchor, lr_factor
-from shardlm.train.rundir import prepare_metrics_file, write_config
+from shardlm.train.optim import build_lr_scheduler, build_optimizer, resume_anchor
+from shardlm.train.rundir import write_run_files
 from shardlm.train.sdpa import sdpa_backends_for
 from shardlm.train.session import Session, last_checkpoint
 from shardlm.train.state import TrainState
-from shardlm.train.step import Batch, forward_backward, nonfinite_report
-
-
-@dataclass
-class StepResult:
-    loss: torch.Tensor  # this rank's share of the global mean loss (all-reduce to get it)
-    grad_norm: float  # global, before clipping
-    stop: bool  # some rank was asked to stop (SIGTERM or Ctrl-C)
-    interrupted: bool  # ... by Ctrl-C: the run ends with exit 130, not 0
-    nonfinite: str | None  # what went bad (the update was not applied), or None
+from shardlm.train.step import Batch, NonfiniteSteps, StepResult, forward_backward, nonfinite_report
 
 
 class Trainer:
@@ -91,24 +81,16 @@ class Trainer:
     def open_data(self) -> None:
         """The token stores (raw files are prepared into one now, once per shared filesystem) and the
         validation data, which eval.interval needs."""
-        cfg, first, e = self.cfg, self.report.rank0, self.cfg.eval
+        cfg, first = self.cfg, self.report.rank0
         say = lambda line: print(line, flush=True)  # noqa: E731
         quiet = say if first else (lambda line: None)
         spec = self.run.tokenizer
         self.stores = open_stores(cfg, self.tokenizer, log=say, wait_log=quiet, tokenizer_spec=spec)
         self.val_store = open_val_store(cfg, self.tokenizer, log=say, wait_log=quiet, tokenizer_spec=spec)
         self.val_sources = mixture_val_stores(cfg, log=quiet)
-        if self.val_store is None and not self.val_sources and e.interval:
-            how = ("mix token stores prepared with --val-fraction / --val (each source's val/ is used)"
-                   if cfg.data.sources else "train on a store prepared with --val-fraction / --val")
-            raise ConfigError(f"eval.interval={e.interval} needs validation data: set data.val_path (a store or "
-                              f"files), or {how}; or eval.interval=0")
-        if first and (self.val_store is not None or self.val_sources):
-            when = (f"every {e.interval} steps" if e.interval else "") + (" and " if e.interval and e.at_end else "") \
-                + ("at the end" if e.at_end else "")
-            for store in [self.val_store] if self.val_store is not None else [v for _, v in self.val_sources]:
-                say(f"data: validation store {store.path}: {store.documents:,} documents, "
-                    f"{store.n_tokens:,} tokens; evaluated {when}")
+        needs_validation(cfg, self.val_store, self.val_sources)
+        if first:
+            self.report.validation_sets(cfg.eval, [self.val_store] if self.val_store else [v for _, v in self.val_sources])
 
     def build(self) -> None:
         """Data, model, optimizer, checkpointer and resume, schedule, run files: after the folder lock."""
@@ -129,14 +111,15 @@ class Trainer:
         saved = self.params if cfg.lora.adapters_only else list(self.model.parameters())
         s.check_writable(sum(p.numel() for p in saved), sum(p.numel() for p in self.params))
         self.fp8_all_gather = self.run.fp8_all_gather
-        self.skipped_in_row = self.skipped_total = 0
+        self.nonfinite = NonfiniteSteps(cfg.train, self.log)
         self.stepped = False  # the first step was run (then the step timeout applies)
         self.busy, self.rank_step_times = BusyTime(), None
         self.step_times = StepTimes(self.env.world_size, self.topo.ranks_per_node, min_excess_s=0.01)
         self.optimizer = build_optimizer(self.model, cfg.train, self.env.device)
         self.state = TrainState(self.loader, self.env.device)
         self.resume()
-        self.on_rank0(self.write_run_files)
+        self.on_rank0(lambda: write_run_files(self.output_dir, cfg.to_toml(), self.step if self.resumed_from else None,
+                                              self.log))
         self.open_outputs()
 
     def resume(self) -> None:
@@ -159,15 +142,11 @@ class Trainer:
             if was is not None and was != cfg.train.optimizer_state_dtype:
                 self.log(f"resume: the checkpoint's AdamW moments were {was}; converted to "
                          f"train.optimizer_state_dtype={cfg.train.optimizer_state_dtype}")
-        self.scheduler = build_lr_scheduler(self.optimizer, cfg.train, last_step=self.step, anchor=self.lr_anchor())
+        rec = self.checkpointer.resumed_record  # where the LR decay restarts after train.steps changed
+        anchor = None if rec is None else resume_anchor(rec.facts, self.step, cfg.train, self.loader.global_batch,
+                                                         self.env.world_size, self.log)
+        self.scheduler = build_lr_scheduler(self.optimizer, cfg.train, last_step=self.step, anchor=anchor)
         self.checkpointer.facts.schedule = Schedule(cfg.train.steps, self.scheduler.anchor)
-
-    def write_run_files(self) -> None:
-        """config.toml and metrics.jsonl, written once the run is known to start (a failed retry leaves the
-        last one)."""
-        if kept := write_config(self.output_dir, self.cfg.to_toml()):
-            self.log(f"config: this start's config.toml differs from the last one, kept as {kept.name}")
-        prepare_metrics_file(self.output_dir, self.step if self.resumed_from else None, log=self.log)
 
     def open_outputs(self) -> None:
         """Metrics, validation, profiler, phase timer and W&B."""
@@ -175,7 +154,8 @@ class Trainer:
         metrics = MetricsLogger(self.output_dir, cfg.train.steps, self.is_rank0, m.progress_bar, m.tensorboard,
                                 start_step=self.step)
         self.watchdog.enter("setup: eval")
-        self.validator = self.build_validator()
+        self.validator = build_validator(cfg, self.val_store, self.val_sources, self.tokenizer, dp_rank(self.mesh),
+                                         self.dims.dp, self.env.device)
         # the best val_loss of the run so far (a resume carries the one logged before it)
         self.best_val = best_logged(self.output_dir / "metrics.jsonl", self.step) \
             if self.resumed_from is not None and self.is_rank0 else None
@@ -185,31 +165,12 @@ class Trainer:
             self.session.on_close(self.profiler.close)
         sync = torch.cuda.synchronize if self.env.device.type == "cuda" and m.phase_sync else None
         self.timer = PhaseTimer(sync=sync)
-        wandb = None
-        if m.wandb:
-            def wandb_logger(rank0: bool) -> WandbLogger:
-                return WandbLogger(self.output_dir, cfg.to_dict(), m.wandb_project, m.wandb_run_name or None,
-                                   enabled=rank0, resumed=self.resumed_from is not None, log=self.log)
-
-            # rank 0's W&B start may fail (no login): every rank stops with its line, none reports a peer gone
-            made = self.on_rank0(lambda: wandb_logger(True))
-            wandb = made if self.is_rank0 else wandb_logger(False)
+        wandb = run_wandb(self.output_dir, cfg, self.resumed_from is not None, self.is_rank0, self.on_rank0,
+                          self.log)
         self.report.open(metrics, wandb)
         self.session.on_close(self.report.abort)
 
-    def build_validator(self) -> Validator | MixtureValidation | None:
-        cfg = self.cfg
-        if not (cfg.eval.interval or cfg.eval.at_end):
-            return None  # never evaluated
-        if self.val_store is not None:
-            return Validator(cfg, self.val_store, self.tokenizer, dp_rank(self.mesh), self.dims.dp, self.env.device)
-        if self.val_sources:
-            return MixtureValidation(cfg, [v for _, v in self.val_sources], [n for n, _ in self.val_sources],
-                                     self.tokenizer, dp_rank(self.mesh), self.dims.dp, self.env.device)
-        return None
-
-    def on_rank0(self, fn):
-        """`fn()` on rank 0 only; its shardlm error stops every rank alike (Session.on_rank0)."""
+    def on_rank0(self, fn):  # Session.on_rank0: rank 0's shardlm error stops every rank alike
         return self.session.on_rank0(fn)
 
     def release_locks(self) -> None:
@@ -226,33 +187,9 @@ class Trainer:
         return RunFacts(world_size=self.env.world_size, global_batch=self.loader.global_batch,
                         tokenizer=tokenizer_fingerprint(self.run.tokenizer), data=data)
 
-    def lr_anchor(self):
-        """Where the LR decay restarts after a resume that changed train.steps (see optim.lr_factor)."""
-        rec, t = self.checkpointer.resumed_record, self.cfg.train
-        if rec is None:
-            return None
-        f = rec.facts
-        if f.global_batch not in (None, self.loader.global_batch):
-            self.log(f"resume: the global batch changes from {f.global_batch} to {self.loader.global_batch} "
-                     f"sequences ({f.world_size} -> {self.env.world_size} ranks x "
-                     f"train.micro_batch_size={t.micro_batch_size} x grad_accum={t.grad_accum}); the data goes on "
-                     "where it stopped, the LR schedule counts optimizer steps as before")
-        if f.schedule is None:
-            return None
-        anchor = extended_anchor(self.step, t, f.schedule.steps, f.schedule.anchor)
-        if f.schedule.steps != t.steps:
-            self.log(f"resume: train.steps {f.schedule.steps} -> {t.steps}: the learning rate goes on from "
-                     f"{t.lr * lr_factor(self.step, t, anchor):.3g} at step {self.step} and decays to "
-                     f"{t.lr * t.min_lr_ratio:.3g} at step {t.steps} (no jump back up)")
-        return anchor
-
     @property
     def checkpoint_dir(self) -> Path:
         return checkpoint_dir(self.cfg)
-
-    @property
-    def tokenizer_spec(self) -> str:
-        return self.run.tokenizer
 
     def interrupted_line(self) -> str:
         """`interrupted at step N; last complete checkpoint step-M`: where a Ctrl-C leaves the run."""
@@ -263,8 +200,8 @@ class Trainer:
         self.report.line(line)
 
     @property
-    def metrics(self) -> MetricsLogger | None:
-        return self.report.metrics
+    def skipped_total(self) -> int:
+        return self.nonfinite.total
 
     @property
     def step(self) -> int:
@@ -332,22 +269,6 @@ class Trainer:
         n = self.step + 1
         return n % self.cfg.metrics.log_every == 0 or n == self.cfg.train.steps
 
-    def on_nonfinite(self, bad: str) -> None:
-        """train.nonfinite: stop with one line, or count the skip (and stop after too many in a row)."""
-        t = self.cfg.train
-        where = f"optimizer step {self.step + 1}: {bad}"
-        if t.nonfinite == "stop":
-            raise TrainingError(f"non-finite {where}; the update was not applied and the last checkpoint stands. "
-                                "Lower train.lr, set train.grad_clip, use train.mixed_precision=fp32, or "
-                                "train.nonfinite=skip to drop such steps")
-        self.skipped_in_row += 1
-        self.skipped_total += 1
-        self.log(f"skipped non-finite {where} ({self.skipped_in_row} in a row, {self.skipped_total} in all; "
-                 "no update, the batch is consumed)")
-        if self.skipped_in_row >= t.max_skipped_steps:
-            raise TrainingError(f"{self.skipped_in_row} non-finite steps in a row (train.max_skipped_steps="
-                                f"{t.max_skipped_steps}); the last checkpoint stands. Lower train.lr or check the data")
-
     def train(self) -> list[dict]:
         """Run to train.steps optimizer steps (or until SIGTERM or Ctrl-C); returns the records logged by this
         process. A Ctrl-C ends with `Interrupted` once the checkpoint is saved."""
@@ -369,7 +290,7 @@ class Trainer:
         self.preemption.release_ctrl_c()
         if stopped and not interrupted:
             self.log(f"preempted (SIGTERM): checkpoint at step {self.step} saved; exiting cleanly")
-        self.finish(records, time.perf_counter() - start, sample=not stopped)
+        self.finish(records, time.perf_counter() - start, with_sample=not stopped)
         if stopped and interrupted:
             if dist.is_initialized():
                 dist.barrier()  # rank 0 has published the checkpoint: every rank's line names it
@@ -388,11 +309,11 @@ class Trainer:
             meter.add(tokens_per_step)
             self.checkpointer.poll()
             if res.nonfinite is not None:
-                self.on_nonfinite(res.nonfinite)
+                self.nonfinite.bad(self.step + 1, res.nonfinite)
                 if stopped:  # a stop request during a skipped step: checkpoint what there is
                     self.save(blocking=True)
                 continue
-            self.skipped_in_row = 0
+            self.nonfinite.good()
             self.step += 1
             self.after_warmup()
             final = self.step == t.steps
@@ -460,7 +381,7 @@ class Trainer:
             self.report.mixture(self.loader, final=self.step == self.cfg.train.steps)
         elif val is not None:
             self.report.step({"step": self.step, **val, "elapsed_s": time.perf_counter() - start}, self.step)
-        self.metrics.advance(loss, val["val_loss"] if val else None)
+        self.report.metrics.advance(loss, val["val_loss"] if val else None)
 
     def evaluate(self) -> dict:
         """The validation metrics at this step (a collective over every rank); remembers the best val_loss."""
@@ -485,29 +406,19 @@ class Trainer:
 
     def check_mixture(self) -> None:
         """A mixture whose epoch caps cannot feed train.steps fails now, not mid-run; its plan is logged."""
-        order = self.loader.order
-        if not isinstance(self.loader, MixtureLoader):
-            return
-        cap, need = order.max_samples(), self.cfg.train.steps * self.loader.global_batch
-        if cap is not None and need > cap:
-            raise DataError(f"data.sources: the epochs caps allow {cap:,} samples, train.steps="
-                            f"{self.cfg.train.steps} needs {need:,}; raise the caps or lower train.steps")
-        self.log(order.describe())
+        if isinstance(self.loader, MixtureLoader):
+            self.loader.order.check_feeds(self.cfg.train.steps, self.loader.global_batch)
+            self.log(self.loader.order.describe())
 
-    def finish(self, records: list[dict], elapsed: float, sample: bool = True) -> None:
+    def finish(self, records: list[dict], elapsed: float, with_sample: bool = True) -> None:
         """The final line, the end-of-training sample (train.sample_tokens), the outputs closed."""
         t = self.cfg.train
-        self.report.final(records, self.started_at, self.step, t.steps, elapsed, self.skipped_total, self.best_val,
+        self.report.final(records, self.started_at, self.step, t.steps, elapsed, self.nonfinite.total, self.best_val,
                           self.output_dir)
-        if sample and t.sample_tokens > 0:
+        if with_sample and t.sample_tokens > 0:
             self.watchdog.enter("sample")
-            prompt = prompt_ids(self.tokenizer, t.sample_prompt)
-            warning = check_context([prompt], t.sample_tokens, self.cfg.data.seq_len, "train.sample_tokens")
-            if warning:  # the sample stops at the context
-                self.log(f"sample: warning: {warning}")
-            ids = generate(self.model, prompt, t.sample_tokens, self.cfg.data.seq_len, seed=t.seed,
-                           device=self.env.device)
-            self.log("sample:\n" + self.tokenizer.decode(ids))
+            for line in sample(self.model, self.tokenizer, t, self.cfg.data.seq_len, self.env.device):
+                self.log(line)
         if self.profiler is not None:
             self.profiler.close()
         self.report.finish()
