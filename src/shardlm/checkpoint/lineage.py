@@ -24,7 +24,6 @@ Checkpoints without `checkpoint.json` (written before it existed) count as one l
 
 from __future__ import annotations
 
-import hashlib
 import json
 import socket
 import time
@@ -34,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from shardlm.checkpoint.layout import complete_checkpoints
+from shardlm.data.tokenizer import TokenizerRef
 
 RECORD_FILE = "checkpoint.json"
 BRANCHES = "branches"
@@ -67,16 +67,9 @@ class Record:
 
 
 def tokenizer_fingerprint(spec: str) -> dict[str, str]:
-    """`{"spec", "sha256"}` of a tokenizer: the hash of its tokenizer.json ("bytes" for the byte tokenizer)."""
-    if spec == "bytes":
-        return {"spec": spec, "sha256": "bytes"}
-    p = Path(spec)
-    p = p / "tokenizer.json" if p.is_dir() else p
-    try:
-        digest = hashlib.sha256(p.read_bytes()).hexdigest()
-    except OSError:
-        digest = "unreadable"
-    return {"spec": str(p.resolve()), "sha256": digest}
+    """checkpoint.json's `tokenizer`: `TokenizerRef.of(spec).checkpoint_record()` (kept for the trainer's
+    import until it calls that itself)."""
+    return TokenizerRef.of(spec).checkpoint_record()
 
 
 def _step(p: Path) -> int:

@@ -692,8 +692,7 @@ def _assemble(bases: list[Path], dest: Path, spec: PrepareSpec, key: str, tok: T
             f.close()
     manifest = {
         "format": FORMAT, "version": VERSION, "key": key, "split": split,
-        "tokenizer": {"spec": spec.tokenizer if spec.tokenizer == "bytes" else str(Path(spec.tokenizer).resolve()),
-                      "fingerprint": tok.fingerprint, "vocab_size": tok.vocab_size, "eos_id": tok.eos_id},
+        "tokenizer": {**tok.ref.manifest_record(), "vocab_size": tok.vocab_size, "eos_id": tok.eos_id},
         "dtype": dtype.name, "documents": n_docs, "tokens": n_tok, "text_field": spec.text_field,
         "sources": spec.sources(spec.files if files is None else files),
         "val": val,
