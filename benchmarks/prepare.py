@@ -151,7 +151,7 @@ def child_train_tokenizer(job: dict) -> dict:
 def child_shardlm(job: dict) -> dict:
     """Time one `prepare` (see the module docstring); the serial assembly's share is timed by wrapping it."""
     import shardlm.data.store as store_mod
-    from shardlm.data.readers import plan_units, resolve_sources
+    from shardlm.data.sources import plan_units, resolve_sources
     from shardlm.data.store import PrepareSpec, prepare
     from shardlm.data.tokenizer import load_tokenizer
 

@@ -24,7 +24,7 @@ def _records(n: int) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def stores(tmp_path_factory, corpus):
-    from shardlm.data.readers import resolve_sources
+    from shardlm.data.sources import resolve_sources
     from shardlm.data.store import PrepareSpec, prepare, sft_spec
     from shardlm.data.tokenizer import ByteTokenizer
 

@@ -40,7 +40,7 @@ def _corpus(d: Path, n: int = 400) -> list[str]:
 
 
 def _spec(d: Path, **kw) -> PrepareSpec:
-    from shardlm.data.readers import resolve_sources
+    from shardlm.data.sources import resolve_sources
 
     return PrepareSpec(resolve_sources(str(d)), "bytes", ByteTokenizer.fingerprint, "text", chunk_bytes=1024, **kw)
 

@@ -39,7 +39,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace, overrides: list[str]) -> int:
     from shardlm.config import load_config
-    from shardlm.data.readers import resolve_sources
+    from shardlm.data.sources import resolve_sources
     from shardlm.data.store import PrepareSpec, TokenStore, prepare
     from shardlm.data.tokenizer import load_tokenizer
     from shardlm.errors import ConfigError

@@ -1,4 +1,4 @@
-"""Data: sources (readers) -> token store (prepare, memmap) -> packed windows (+ document masks) -> one source
+"""Data: sources (one reader per format) -> token store (prepare, memmap) -> packed windows (+ document masks) -> one source
 or a mixture -> per-dp-rank micro-batches in the global sample order.
 
 `open_stores(cfg, tokenizer)` (before the process group starts) then `build_loader(cfg, tokenizer,
@@ -18,9 +18,9 @@ _WHERE = {
     "MixtureLoader": "loader", "PackedLoader": "loader", "build_loader": "loader", "open_stores": "loader",
     "source_list": "loader",
     "IGNORE_INDEX": "order", "RowLoader": "order", "SampleOrder": "order",
-    "builtin_files": "sources", "resolve_files": "sources",
+    "SourceEntry": "sources", "builtin_files": "sources", "parse_sources": "sources", "resolve_files": "sources",
     "TokenStore": "store", "prepare": "store",
-    "load_tokenizer": "tokenizer",
+    "TokenizerRef": "tokenizer", "load_tokenizer": "tokenizer",
 }
 
 __all__ = sorted(_WHERE)

@@ -16,7 +16,7 @@ conversation, `shardlm.data.chat`; no EOS added: the template has its own end ma
 
 Its manifest also names the chat template (its fingerprint: the template shapes the ids and the masks).
 
-`prepare()` builds one. The input is cut into units (`shardlm.data.readers.plan_units`: a row group, a record
+`prepare()` builds one. The input is cut into units (`shardlm.data.sources.plan_units`: a row group, a record
 batch, a byte range of a .jsonl, a file), each tokenised on its own by a pool of worker processes into
 `<out>.partial/parts/`, then the parts are concatenated in unit order: the bytes do not depend on the number of
 workers. A killed prepare keeps its finished parts and a rerun continues from them; the store appears (one
@@ -46,8 +46,7 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
-from shardlm.data.readers import BadRecords, Unit, plan_units, read_texts, resolve_sources
-from shardlm.data.sources import skipped_line, stdlib_dir
+from shardlm.data.sources import BadRecords, Unit, is_stdlib, plan_units, read_texts, resolve_sources, skipped_line
 from shardlm.data.tokenizer import Tokenizer, encode_texts, load_tokenizer
 from shardlm.errors import ConfigError, DataError
 from shardlm.fsutil import pid_alive, proc_start  # the run lock's liveness rule (pid + its start time)
@@ -331,10 +330,6 @@ def _unit_bytes(u: Unit) -> int:
     return u.stop - u.start if u.stop >= 0 else os.path.getsize(u.path)
 
 
-def _is_stdlib(path: str) -> bool:
-    return path.endswith(".py") and Path(path).is_relative_to(stdlib_dir())
-
-
 def _groups(units: list[Unit], group_bytes: int) -> list[list[Unit]]:
     """Consecutive whole-file units (.txt, .py) grouped up to `group_bytes` (one part each, not thousands of
     tiny ones); every other unit alone. From the file sizes only: deterministic."""
@@ -373,7 +368,7 @@ def _prepare_unit(job: tuple[int, list[Unit], str, str, str, float, int, str, in
             for text in read_texts(unit, text_field, got):
                 if text:
                     yield text
-            if got.bad and _is_stdlib(unit.path):  # a few of its test files are not UTF-8 on purpose
+            if got.bad and is_stdlib(unit.path):  # a few of its test files are not UTF-8 on purpose
                 stdlib_skipped.append((unit.path, got.examples[0]))
             else:
                 bad.merge(got)
