@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from shardlm.data import PackedLoader, load_tokenizer, resolve_files
-from shardlm.data.store import PrepareSpec, ensure_cached_store
+from shardlm.data.store.prepare import PrepareSpec, ensure_cached_store
 from shardlm.data.sources import builtin_files, iter_documents
 from shardlm.data.tokenizer import ByteTokenizer
 from shardlm.errors import ConfigError, DataError

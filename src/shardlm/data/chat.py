@@ -113,7 +113,7 @@ def unit_messages(unit: Unit, bad: BadRecords) -> Iterator[tuple[list[Message], 
 
 
 def record_key(messages: list[Message]) -> str:
-    """A conversation as one string: what the validation split hashes (`shardlm.data.store.in_val`)."""
+    """A conversation as one string: what the validation split hashes (`shardlm.data.store.prepare.in_val`)."""
     return json.dumps(messages, sort_keys=True, ensure_ascii=False)
 
 

@@ -23,7 +23,9 @@ from shardlm.data.packing import document_rows
 from shardlm.data.chat import SHAPES, load_template
 from shardlm.data.sft import SFTLoader, SFTSamples, sft_stats
 from shardlm.data.sources import SourceEntry, parse_sources
-from shardlm.data.store import TokenStore, default_cache_dir, ensure_cached_store, files_spec, is_store
+from shardlm.data.store.cache import default_cache_dir
+from shardlm.data.store.format import TokenStore, is_store
+from shardlm.data.store.prepare import ensure_cached_store, files_spec
 from shardlm.data.tokenizer import Tokenizer
 from shardlm.errors import ConfigError, DataError
 
