@@ -13,7 +13,7 @@ just before they are read: every reader finds them in the page cache.
    starts, torch never imported); what is timed is, end to end:
      shardlm   `resolve_sources` + `load_tokenizer` + `prepare(PrepareSpec(..., chunk_bytes=--chunk-mb),
                workers=N)`: planning the units, the worker pool (spawned processes that import
-               shardlm.data.store and the tokenizer), reading + JSON decoding + encoding + writing the parts,
+               shardlm.data.store.prepare and the tokenizer), reading + JSON decoding + encoding + writing the parts,
                then the serial assembly (concatenate, sha256, fsync, manifest). workers=1 runs in the
                process itself, no pool (as shardlm does). Its progress bar is off (stderr is a pipe).
      datasets  `Tokenizer.from_file` + `Dataset.from_json(files, cache_dir=fresh, num_proc=N)` (JSON -> an
@@ -150,9 +150,9 @@ def child_train_tokenizer(job: dict) -> dict:
 
 def child_shardlm(job: dict) -> dict:
     """Time one `prepare` (see the module docstring); the serial assembly's share is timed by wrapping it."""
-    import shardlm.data.store as store_mod
-    from shardlm.data.readers import plan_units, resolve_sources
-    from shardlm.data.store import PrepareSpec, prepare
+    import shardlm.data.store.prepare as store_mod
+    from shardlm.data.sources import plan_units, resolve_sources
+    from shardlm.data.store.prepare import PrepareSpec, prepare
     from shardlm.data.tokenizer import load_tokenizer
 
     assembly = [0.0]

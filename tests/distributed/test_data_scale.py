@@ -91,8 +91,8 @@ def train_runs(runs: list[tuple[str, str | None, list[str], int | None]]) -> dic
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory, sources):
-    from shardlm.data.readers import resolve_sources
-    from shardlm.data.store import PrepareSpec, prepare
+    from shardlm.data.sources import resolve_sources
+    from shardlm.data.store.prepare import PrepareSpec, prepare
     from shardlm.data.tokenizer import ByteTokenizer
 
     tmp = tmp_path_factory.mktemp("scale")

@@ -24,8 +24,8 @@ def _records(n: int) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def stores(tmp_path_factory, corpus):
-    from shardlm.data.readers import resolve_sources
-    from shardlm.data.store import PrepareSpec, prepare, sft_spec
+    from shardlm.data.sources import resolve_sources
+    from shardlm.data.store.prepare import PrepareSpec, prepare, sft_spec
     from shardlm.data.tokenizer import ByteTokenizer
 
     d = tmp_path_factory.mktemp("val")
@@ -168,7 +168,7 @@ def test_profiler_writes_one_trace_per_rank_and_wandb_offline_a_run(results):
 def test_a_mixture_is_validated_on_each_sources_own_val_split(results, stores):
     """No data.val_path: the val/ of each store of the mixture (it used to say 'train on a store prepared with
     --val-fraction' about stores that were); val_loss is over all their tokens, each one's in val_loss/<name>."""
-    from shardlm.data.store import TokenStore
+    from shardlm.data.store.format import TokenStore
 
     r = results["mix2"]
     last = r["last_val"]

@@ -201,7 +201,8 @@ def test_byte_tokenizer_export_says_no_tokenizer_is_written(tmp_path, capsys):
 
     import torch.distributed.checkpoint as dcp
 
-    from shardlm.checkpoint.lineage import Record, RunFacts, tokenizer_fingerprint
+    from shardlm.checkpoint.lineage import Record, RunFacts
+    from shardlm.data.tokenizer import TokenizerRef
     from shardlm.checkpoint.meta import CheckpointMeta
     from shardlm.models import get_preset
     from shardlm.models.llama import Transformer
@@ -213,7 +214,8 @@ def test_byte_tokenizer_export_says_no_tokenizer_is_written(tmp_path, capsys):
     ck = tmp_path / "checkpoints" / "step-2"
     dcp.save({"model": model.state_dict()}, checkpoint_id=str(ck), no_dist=True)
     CheckpointMeta(model=cfg).save(ck)
-    (ck / "checkpoint.json").write_text(Record("a", 2, 1, facts=RunFacts(tokenizer=tokenizer_fingerprint("bytes"))).to_json())
+    (ck / "checkpoint.json").write_text(
+        Record("a", 2, 1, facts=RunFacts(tokenizer=TokenizerRef.of("bytes").checkpoint_record())).to_json())
     rc, said = _convert(ck, tmp_path / "out", "--dtype", "fp32", capsys=capsys)
     assert rc == 0 and "no HF tokenizer written" in said and "256 is end-of-text" in said, said
     out = tmp_path / "out"

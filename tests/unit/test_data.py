@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from shardlm.data import PackedLoader, load_tokenizer, resolve_files
-from shardlm.data.store import PrepareSpec, ensure_cached_store
+from shardlm.data.store.prepare import PrepareSpec, ensure_cached_store
 from shardlm.data.sources import builtin_files, iter_documents
 from shardlm.data.tokenizer import ByteTokenizer
 from shardlm.errors import ConfigError, DataError
@@ -41,8 +41,7 @@ def test_sources_txt_jsonl_and_bad_utf8(tmp_path, capsys):
 
 def test_stdlib_files_that_are_not_utf8_are_one_line(tmp_path, monkeypatch, capsys):
     """`make demo` opens with one note, not a warning per file (a few stdlib test files are Latin-1)."""
-    for where in ("readers", "sources"):  # builtin_files reads it in readers, iter_documents in sources
-        monkeypatch.setattr(f"shardlm.data.{where}.stdlib_dir", lambda: tmp_path)
+    monkeypatch.setattr("shardlm.data.sources.builtin.stdlib_dir", lambda: tmp_path)  # its one home
     (tmp_path / "test").mkdir()
     for name in ("a.py", "b.py", "test/c.py", "test/d.py", "test/e.py"):
         (tmp_path / name).write_bytes(b"# \xe9t\xe9\n")

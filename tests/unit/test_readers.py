@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from shardlm.data.readers import BadRecords, Unit, plan_units, read_records, read_texts, resolve_sources
+from shardlm.data.sources import BadRecords, Unit, plan_units, read_records, read_texts, resolve_sources
 from shardlm.errors import ConfigError, DataError
 
 pa = pytest.importorskip("pyarrow")

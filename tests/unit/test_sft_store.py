@@ -14,11 +14,12 @@ import pytest
 
 from shardlm.cli import main
 from shardlm.config import Config
-from shardlm.data import store as S
+from shardlm.data.store import prepare as P
 from shardlm.data.chat import answer_info, load_template, record_key, record_to_messages, tokenize_records
 from shardlm.data.loader import build_loader, open_stores
 from shardlm.data.sft import SFTLoader, SFTSamples, pack_best_fit, pack_rows
-from shardlm.data.store import TokenStore, prepare, sft_spec
+from shardlm.data.store.format import TokenStore
+from shardlm.data.store.prepare import prepare, sft_spec
 from shardlm.data.tokenizer import ByteTokenizer
 from shardlm.errors import ConfigError, DataError
 
@@ -78,7 +79,7 @@ def test_sft_store_is_worker_independent_and_holds_each_records_rendered_ids_and
     tok_dir = _write(tmp_path / "src", records, bad=True)
     logs: list[str] = []
     one = prepare(_spec(tmp_path / "src", tok_dir), tmp_path / "one", workers=1, log=logs.append, max_bad_fraction=0.05)
-    monkeypatch.setattr(S, "POOL_BYTES_PER_WORKER", 1)
+    monkeypatch.setattr(P, "POOL_BYTES_PER_WORKER", 1)
     two = prepare(_spec(tmp_path / "src", tok_dir), tmp_path / "two", workers=2, log=logs.append, max_bad_fraction=0.05)
     assert logs[-1].endswith("with 2 workers") and "120 SFT samples" in logs[-1]
     assert _tree(tmp_path / "one") == _tree(tmp_path / "two")
@@ -113,7 +114,7 @@ def test_sft_validation_split_is_by_record_content(tmp_path):
     assert val is not None and val.kind == "sft" and store.documents + val.documents == 200
     assert 20 <= val.documents <= 60
     keys = [record_key(record_to_messages(r, "x")) for r in records]
-    held = [k for k in keys if S.in_val(k, 3, 0.2)]
+    held = [k for k in keys if P.in_val(k, 3, 0.2)]
     assert len(held) == val.documents
 
 

@@ -19,8 +19,10 @@ import numpy as np
 import pytest
 
 from shardlm.cli import main
-from shardlm.data import store as S
-from shardlm.data.store import MANIFEST, PrepareSpec, TokenStore, ensure_cached_store, prepare
+from shardlm.data.sources import resolve_sources
+from shardlm.data.store import cache as C, format as F, prepare as P
+from shardlm.data.store.format import MANIFEST, TokenStore
+from shardlm.data.store.prepare import PrepareSpec, ensure_cached_store, prepare
 from shardlm.data.tokenizer import ByteTokenizer
 from shardlm.errors import ConfigError, DataError
 from shardlm.fsutil import proc_start
@@ -40,8 +42,6 @@ def _corpus(d: Path, n: int = 400) -> list[str]:
 
 
 def _spec(d: Path, **kw) -> PrepareSpec:
-    from shardlm.data.readers import resolve_sources
-
     return PrepareSpec(resolve_sources(str(d)), "bytes", ByteTokenizer.fingerprint, "text", chunk_bytes=1024, **kw)
 
 
@@ -54,7 +54,7 @@ def test_one_and_two_workers_give_byte_identical_stores_holding_the_tokenizers_i
     logs: list[str] = []
     one = prepare(_spec(tmp_path / "src"), tmp_path / "one", workers=2, log=logs.append)
     assert logs[-1].endswith("with 1 worker"), "a small input is not worth a pool"
-    monkeypatch.setattr(S, "POOL_BYTES_PER_WORKER", 1)
+    monkeypatch.setattr(P, "POOL_BYTES_PER_WORKER", 1)
     two = prepare(_spec(tmp_path / "src"), tmp_path / "two", workers=2, log=logs.append)
     assert logs[-1].endswith("with 2 workers")
     assert _tree(tmp_path / "one") == _tree(tmp_path / "two")
@@ -97,7 +97,7 @@ def test_a_killed_prepare_continues_on_rerun_and_equals_a_straight_one(tmp_path)
 
 
 def test_validation_split_is_by_content_disjoint_and_complete(tmp_path, monkeypatch):
-    monkeypatch.setattr(S, "POOL_BYTES_PER_WORKER", 1)  # a pool, even for this small input
+    monkeypatch.setattr(P, "POOL_BYTES_PER_WORKER", 1)  # a pool, even for this small input
     texts = _corpus(tmp_path / "src")
     store = prepare(_spec(tmp_path / "src", val_fraction=0.2, seed=3), tmp_path / "s", workers=2, log=lambda _: None)
     val = store.val()
@@ -108,7 +108,7 @@ def test_validation_split_is_by_content_disjoint_and_complete(tmp_path, monkeypa
 
     train_docs, val_docs = docs(store), docs(val)
     assert sorted(train_docs + val_docs) == sorted(texts)
-    assert val_docs == [t for t in texts if S.in_val(t, 3, 0.2)] and 0.1 < len(val_docs) / len(texts) < 0.3
+    assert val_docs == [t for t in texts if P.in_val(t, 3, 0.2)] and 0.1 < len(val_docs) / len(texts) < 0.3
     other = prepare(_spec(tmp_path / "src", val_fraction=0.2, seed=4), tmp_path / "s4", workers=1, log=lambda _: None)
     assert docs(other.val()) != val_docs  # the seed chooses
     # --val PATH: a separate validation store from other files
@@ -189,7 +189,7 @@ def test_the_cache_prepares_once_others_wait_and_a_dead_holder_is_taken_over(tmp
     cache.mkdir()
     lock = cache / f"{spec.key()}.lock"
     # a live holder (this process, another thread): the caller waits until its store appears
-    lock.write_text(json.dumps({"host": S._host(), "pid": os.getpid()}))
+    lock.write_text(json.dumps({"host": C._host(), "pid": os.getpid()}))
     waited: list[str] = []
 
     def holder() -> None:
@@ -201,30 +201,30 @@ def test_the_cache_prepares_once_others_wait_and_a_dead_holder_is_taken_over(tmp
     t.start()
     got = ensure_cached_store(spec, cache, log=waited.append, poll_s=0.05)
     t.join()
-    assert got.documents == 30 and waited == [f"data: waiting for {S._host()} pid {os.getpid()} to prepare "
+    assert got.documents == 30 and waited == [f"data: waiting for {C._host()} pid {os.getpid()} to prepare "
                                               f"{cache / spec.key()}"]
     # a dead holder on this host: taken over at once
     spec2 = _spec(tmp_path / "src", seed=1, val_fraction=0.1)
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
-    (cache / f"{spec2.key()}.lock").write_text(json.dumps({"host": S._host(), "pid": dead.pid}))
+    (cache / f"{spec2.key()}.lock").write_text(json.dumps({"host": C._host(), "pid": dead.pid}))
     logs: list[str] = []
     ensure_cached_store(spec2, cache, log=logs.append, poll_s=0.05)
     assert logs[0] == f"data: took over the preparation of {cache / spec2.key()} from a process that is gone"
     assert not (cache / f"{spec2.key()}.lock").exists()
     # a live pid that is not the holder any more (reused: another start time) is a dead holder too
     reused = cache / "reused.lock"
-    reused.write_text(json.dumps({"host": S._host(), "pid": os.getpid(), "pid_start": "0"}))
-    assert S._Lock(reused).remove_if_stale() and not reused.exists()
-    reused.write_text(json.dumps({"host": S._host(), "pid": os.getpid(), "pid_start": proc_start(os.getpid())}))
-    assert not S._Lock(reused).remove_if_stale()
+    reused.write_text(json.dumps({"host": C._host(), "pid": os.getpid(), "pid_start": "0"}))
+    assert C._Lock(reused).remove_if_stale() and not reused.exists()
+    reused.write_text(json.dumps({"host": C._host(), "pid": os.getpid(), "pid_start": proc_start(os.getpid())}))
+    assert not C._Lock(reused).remove_if_stale()
     # another host's lock is trusted until it is LOCK_STALE_S old
     spec3 = _spec(tmp_path / "src", seed=2, val_fraction=0.1)
     other = cache / f"{spec3.key()}.lock"
     other.write_text(json.dumps({"host": "node-7", "pid": 1}))
-    assert not S._Lock(other).remove_if_stale()
-    os.utime(other, (time.time() - S.LOCK_STALE_S - 5,) * 2)
-    assert S._Lock(other).remove_if_stale() and not other.exists()
+    assert not C._Lock(other).remove_if_stale()
+    os.utime(other, (time.time() - C.LOCK_STALE_S - 5,) * 2)
+    assert C._Lock(other).remove_if_stale() and not other.exists()
 
 
 def test_a_second_prepare_into_one_out_stops_with_one_line_and_leaves_the_first_ones_work(tmp_path, capsys):
@@ -232,11 +232,11 @@ def test_a_second_prepare_into_one_out_stops_with_one_line_and_leaves_the_first_
     spec, out = _spec(tmp_path / "src"), tmp_path / "store"
     lock = tmp_path / ".store.prepare.lock"
     # a live prepare (this process stands in for it) holds OUT and has written part of its work
-    lock.write_text(json.dumps({"host": S._host(), "pid": os.getpid(), "pid_start": proc_start(os.getpid())}))
-    work = S._partial_dir(out) / "parts"
+    lock.write_text(json.dumps({"host": C._host(), "pid": os.getpid(), "pid_start": proc_start(os.getpid())}))
+    work = F.partial_dir(out) / "parts"
     work.mkdir(parents=True)
     (work / "train-000000.json").write_text("being written")
-    with pytest.raises(ConfigError, match=f"another shardlm prepare \\({S._host()} pid {os.getpid()}\\) is writing "
+    with pytest.raises(ConfigError, match=f"another shardlm prepare \\({C._host()} pid {os.getpid()}\\) is writing "
                                           f"{out}; wait for it"):
         prepare(spec, out, workers=1, log=lambda _: None)
     assert (work / "train-000000.json").read_text() == "being written" and lock.exists() and not out.exists()
@@ -247,8 +247,8 @@ def test_a_second_prepare_into_one_out_stops_with_one_line_and_leaves_the_first_
     # that prepare dies: its lock is taken over (its parts, of the same inputs, are resumed)
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
-    lock.write_text(json.dumps({"host": S._host(), "pid": dead.pid}))
-    shutil.rmtree(S._partial_dir(out))
+    lock.write_text(json.dumps({"host": C._host(), "pid": dead.pid}))
+    shutil.rmtree(F.partial_dir(out))
     logs: list[str] = []
     assert prepare(spec, out, workers=1, log=logs.append).documents == 30
     assert logs[0] == f"prepare: took over {out} from a prepare that is gone" and not lock.exists()
@@ -305,7 +305,7 @@ def test_a_full_disk_in_prepare_names_the_disk_and_the_space_needed(tmp_path, ca
 def test_abandoned_preparations_in_the_cache_are_removed_after_a_day_others_kept(tmp_path):
     _corpus(tmp_path / "src", n=10)
     spec, cache = _spec(tmp_path / "src"), tmp_path / "cache"
-    old_time = time.time() - S.PARTIAL_STALE_S - 60
+    old_time = time.time() - C.PARTIAL_STALE_S - 60
     dirs = {name: cache / f".{name}.partial" for name in ("old", "fresh", "locked", spec.key())}
     for name, d in dirs.items():
         (d / "parts").mkdir(parents=True)
@@ -323,11 +323,11 @@ def test_abandoned_preparations_in_the_cache_are_removed_after_a_day_others_kept
 
 def test_units_are_sized_from_the_input_only(tmp_path):
     (tmp_path / "small.jsonl").write_bytes(b"x" * 1000)
-    assert S.auto_chunk_bytes([tmp_path / "small.jsonl"]) == S.MIN_CHUNK
+    assert P.auto_chunk_bytes([tmp_path / "small.jsonl"]) == P.MIN_CHUNK
     big = tmp_path / "big.jsonl"
     with open(big, "wb") as f:
         f.truncate(640 << 20)  # sparse: 640 MiB -> units of 10 MiB
-    assert S.auto_chunk_bytes([big]) == 10 << 20 and PrepareSpec([big], "bytes", "bytes-v1").chunk_bytes == 10 << 20
+    assert P.auto_chunk_bytes([big]) == 10 << 20 and PrepareSpec([big], "bytes", "bytes-v1").chunk_bytes == 10 << 20
 
 
 @pytest.mark.parametrize("verify", [False, True])

@@ -21,14 +21,14 @@ def test_best_logged_reads_the_run_before_the_resume(tmp_path):
 
 
 def _sft_store(d):
-    from shardlm.data.store import prepare, sft_spec
+    from shardlm.data.store.prepare import prepare, sft_spec
     from shardlm.data.tokenizer import ByteTokenizer
 
     d.mkdir(parents=True, exist_ok=True)
     records = [{"prompt": f"what is {i} plus {i}?", "completion": f"{i} plus {i} is {2 * i}."} for i in range(200)]
     (d / "sft.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     prepare(sft_spec([d / "sft.jsonl"], ByteTokenizer(), None), d / "store", workers=1, log=lambda _: None)
-    from shardlm.data.store import TokenStore
+    from shardlm.data.store.format import TokenStore
 
     return TokenStore.open(d / "store"), ByteTokenizer()
 

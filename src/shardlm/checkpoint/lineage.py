@@ -24,7 +24,6 @@ Checkpoints without `checkpoint.json` (written before it existed) count as one l
 
 from __future__ import annotations
 
-import hashlib
 import json
 import socket
 import time
@@ -65,7 +64,7 @@ class RunFacts:
     world_size: int | None = None
     global_batch: int | None = None
     schedule: Schedule | None = None
-    tokenizer: dict[str, str] | None = None  # {"spec", "sha256"}: tokenizer_fingerprint
+    tokenizer: dict[str, str] | None = None  # {"spec", "sha256"}: TokenizerRef.checkpoint_record()
     data: list[dict[str, Any]] | None = None  # per source: {"source", documents, tokens, sha256}
     saved_at: str | None = None
     host: str | None = None
@@ -112,19 +111,6 @@ class Record:
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
             return None
         return rec
-
-
-def tokenizer_fingerprint(spec: str) -> dict[str, str]:
-    """`{"spec", "sha256"}` of a tokenizer: the hash of its tokenizer.json ("bytes" for the byte tokenizer)."""
-    if spec == "bytes":
-        return {"spec": spec, "sha256": "bytes"}
-    p = Path(spec)
-    p = p / "tokenizer.json" if p.is_dir() else p
-    try:
-        digest = hashlib.sha256(p.read_bytes()).hexdigest()
-    except OSError:
-        digest = "unreadable"
-    return {"spec": str(p.resolve()), "sha256": digest}
 
 
 def _step(p: Path) -> int:

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from shardlm.config import Config, LoraSection
+from shardlm.data.tokenizer import canonical_spec
 from shardlm.errors import CheckpointError
 from shardlm.models.llama import ModelConfig, RopeScaling
 
@@ -128,10 +129,9 @@ class CheckpointMeta:
         """The sidecar of a run of `cfg`; `tokenizer_spec`: the run's resolved tokenizer
         (`shardlm.resolve.tokenizer_spec`)."""
         hf = cfg.model.hf_dir
-        spec = tokenizer_spec
         return cls(model=model_cfg, lora=dataclasses.replace(cfg.lora) if cfg.lora.rank > 0 else None,
                    init_from=f"{HF_PREFIX}{hf.resolve()}" if hf is not None else "",
-                   tokenizer=(spec if spec == "bytes" else str(Path(spec).resolve())) if hf is not None else None)
+                   tokenizer=canonical_spec(tokenizer_spec) if hf is not None else None)
 
     # -- derived -----------------------------------------------------------------------------------
     @property

@@ -39,8 +39,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace, overrides: list[str]) -> int:
     from shardlm.config import load_config
-    from shardlm.data.readers import resolve_sources
-    from shardlm.data.store import PrepareSpec, TokenStore, prepare
+    from shardlm.data.sources import resolve_sources
+    from shardlm.data.store.format import TokenStore, is_store, store_path
+    from shardlm.data.store.prepare import PrepareSpec, prepare
     from shardlm.data.tokenizer import load_tokenizer
     from shardlm.errors import ConfigError
     from shardlm.resolve import tokenizer_spec
@@ -63,8 +64,6 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
         raise ConfigError("--workers must be >= 0 (0 = every core) and --chunk-mb >= 0 (0 = auto)")
     cfg = load_config(args.config, overrides)
     *sources, out = args.paths
-    from shardlm.data.store import is_store, store_path
-
     for s in sources + ([args.val] if args.val else []):
         if is_store(s):
             raise ConfigError(f"source {s!r} is a token store (already tokenized): train on it directly "

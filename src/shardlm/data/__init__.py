@@ -1,4 +1,4 @@
-"""Data: sources (readers) -> token store (prepare, memmap) -> packed windows (+ document masks) -> one source
+"""Data: sources (one reader per format) -> token store (format, prepare, cache; memmap) -> packed windows (+ document masks) -> one source
 or a mixture -> per-dp-rank micro-batches in the global sample order.
 
 `open_stores(cfg, tokenizer)` (before the process group starts) then `build_loader(cfg, tokenizer,
@@ -6,7 +6,7 @@ dp_rank, dp_size, stores=...)` builds the loader `data.format` names (text: Pack
 sft: SFTLoader).
 
 The names below are imported on first use: `shardlm prepare`'s worker processes import
-`shardlm.data.store` without torch (seconds per worker at start-up).
+`shardlm.data.store.prepare` without torch (seconds per worker at start-up).
 """
 
 from __future__ import annotations
@@ -16,11 +16,10 @@ from typing import Any
 
 _WHERE = {
     "MixtureLoader": "loader", "PackedLoader": "loader", "build_loader": "loader", "open_stores": "loader",
-    "source_list": "loader",
     "IGNORE_INDEX": "order", "RowLoader": "order", "SampleOrder": "order",
-    "builtin_files": "sources", "resolve_files": "sources",
-    "TokenStore": "store", "prepare": "store",
-    "load_tokenizer": "tokenizer",
+    "SourceEntry": "sources", "builtin_files": "sources", "parse_sources": "sources", "resolve_files": "sources",
+    "TokenStore": "store.format", "prepare": "store.prepare",
+    "TokenizerRef": "tokenizer", "load_tokenizer": "tokenizer",
 }
 
 __all__ = sorted(_WHERE)

@@ -51,7 +51,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from shardlm.data.readers import BadRecords, Unit, read_records
+from shardlm.data.sources import BadRecords, Unit, read_records
 from shardlm.data.tokenizer import _EOS_CANDIDATES, encode_texts
 from shardlm.errors import ConfigError, DataError
 
@@ -98,7 +98,7 @@ def record_to_messages(record: Any, where: str) -> list[Message]:
 
 
 def unit_messages(unit: Unit, bad: BadRecords) -> Iterator[tuple[list[Message], str]]:
-    """(messages, location) for every record of one unit of the input (`shardlm.data.readers.plan_units`: a
+    """(messages, location) for every record of one unit of the input (`shardlm.data.sources.plan_units`: a
     .jsonl(.gz/.zst) byte range, a parquet row group, an arrow batch, ...), in order. A record that is not JSON,
     not an object or of no known shape is skipped and counted in `bad` with its location."""
     for record, where in read_records(unit, bad):
@@ -113,7 +113,7 @@ def unit_messages(unit: Unit, bad: BadRecords) -> Iterator[tuple[list[Message], 
 
 
 def record_key(messages: list[Message]) -> str:
-    """A conversation as one string: what the validation split hashes (`shardlm.data.store.in_val`)."""
+    """A conversation as one string: what the validation split hashes (`shardlm.data.store.prepare.in_val`)."""
     return json.dumps(messages, sort_keys=True, ensure_ascii=False)
 
 

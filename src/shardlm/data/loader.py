@@ -22,7 +22,10 @@ from shardlm.data.order import IGNORE_INDEX, RowLoader, SampleOrder
 from shardlm.data.packing import document_rows
 from shardlm.data.chat import SHAPES, load_template
 from shardlm.data.sft import SFTLoader, SFTSamples, sft_stats
-from shardlm.data.store import TokenStore, default_cache_dir, ensure_cached_store, files_spec, is_store
+from shardlm.data.sources import parse_sources
+from shardlm.data.store.cache import default_cache_dir
+from shardlm.data.store.format import TokenStore, is_store
+from shardlm.data.store.prepare import ensure_cached_store, files_spec
 from shardlm.data.tokenizer import Tokenizer
 from shardlm.errors import ConfigError, DataError
 
@@ -80,14 +83,6 @@ class MixtureLoader(RowLoader):
 
 # -- text data: token stores --------------------------------------------------------------------------------
 
-def source_list(cfg) -> list[tuple[str, float, float | None, str]]:
-    """(path, weight, epochs, text_field) of data.path or of each [[data.sources]] entry."""
-    d = cfg.data
-    if not d.sources:
-        return [(d.path, 1.0, None, d.text_field)]
-    return [(s.path, s.weight, s.epochs, s.text_field or d.text_field) for s in d.sources]
-
-
 def _open_store(cfg, path: str, tokenizer: Tokenizer, what: str = "data.path") -> TokenStore:
     """A store named by the config: its kind must be data.format's, its tokenizer (and, for SFT, its chat
     template) the run's."""
@@ -113,7 +108,7 @@ def open_stores(cfg, tokenizer: Tokenizer, log: Callable[[str], None] = print,
     d = cfg.data
     cache = Path(d.cache_dir) if d.cache_dir else default_cache_dir()
     stores = []
-    for path, _, _, text_field in source_list(cfg):
+    for path, _, _, text_field in parse_sources(d):
         if is_store(path):
             store = _open_store(cfg, path, tokenizer)
             if d.format == "text" and store.manifest.get("text_field") != text_field and text_field != "text":
@@ -165,7 +160,7 @@ def mixture_val_stores(cfg, log: Callable[[str], None] = print) -> list[tuple[st
     if not d.sources or d.val_path or not (cfg.eval.interval or cfg.eval.at_end):
         return []
     found, without = [], []
-    for path, *_ in source_list(cfg):
+    for path, *_ in parse_sources(d):
         val = TokenStore.open(path).val() if is_store(path) else None
         name = Path(str(path).removeprefix("store:")).name or str(path)
         (found.append((name, val)) if val is not None else without.append(name))
@@ -187,14 +182,14 @@ def build_text_loader(cfg, stores: list[TokenStore], dp_rank: int, dp_size: int,
 
     if not d.sources:
         return packed(stores[0])
-    sources = source_list(cfg)
-    names = [Path(p).name or p for p, *_ in sources]
+    sources = parse_sources(d)
+    names = [Path(s.path).name or s.path for s in sources]
     n_rows = [PackedLoader.windows(s.tokens, d.seq_len) for s in stores]
     for name, n in zip(names, n_rows):
         if n < 1:
             raise DataError(f"data source {name}: fewer than data.seq_len + 1 = {d.seq_len + 1} tokens; add text, "
                             "drop the source or lower data.seq_len")
-    mix = MixtureOrder(n_rows, [w for _, w, _, _ in sources], epochs=[e for _, _, e, _ in sources], names=names,
+    mix = MixtureOrder(n_rows, [s.weight for s in sources], epochs=[s.epochs for s in sources], names=names,
                        **order)
     # each source's own order is unused (the mixture picks its rows); a 1-row stand-in keeps it tiny
     dummy = SampleOrder(1, t.micro_batch_size, t.grad_accum, 0, 1)

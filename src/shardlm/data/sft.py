@@ -41,6 +41,8 @@ import torch
 from shardlm.data.chat import (  # noqa: F401  (re-exported: the SFT names live here for users)
     SHAPES, ChatTemplate, PlainTemplate, answer_info, load_template, record_to_messages, tokenize_records)
 from shardlm.data.order import IGNORE_INDEX, RowLoader, SampleOrder
+from shardlm.data.store.cache import default_cache_dir
+from shardlm.data.store.prepare import ensure_cached_store, sft_spec
 from shardlm.errors import DataError
 
 
@@ -240,8 +242,6 @@ def build_sft_loader(files: Sequence[Path], tokenizer, tokenizer_dir: str | Path
     each sample only. stats: records, samples (kept), truncated, dropped (no answer token within seq_len),
     tokens, loss_tokens, rows, fill (non-padding share of the rows), template (`chat_template` or `plain`).
     """
-    from shardlm.data.store import default_cache_dir, ensure_cached_store, sft_spec
-
     spec = sft_spec([Path(f) for f in files], tokenizer, tokenizer_dir)
     cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     store = ensure_cached_store(spec, cache, workers=workers, max_bad_fraction=max_bad_fraction, log=lambda _: None)

@@ -17,10 +17,10 @@ import torch.distributed as dist
 
 from shardlm.build import build_model, build_model_config, model_state_bytes
 from shardlm.checkpoint import Checkpointer
-from shardlm.checkpoint.lineage import RunFacts, Schedule, tokenizer_fingerprint
+from shardlm.checkpoint.lineage import RunFacts, Schedule
 from shardlm.checkpoint.meta import CheckpointMeta
 from shardlm.config import Config
-from shardlm.data import MixtureLoader, build_loader, load_tokenizer, open_stores, source_list
+from shardlm.data import MixtureLoader, build_loader, load_tokenizer, open_stores, parse_sources
 from shardlm.data.loader import IGNORE_INDEX, mixture_val_stores, open_val_store
 from shardlm.data.store import is_store
 from shardlm.distributed.env import shutdown_distributed
@@ -183,9 +183,9 @@ class Trainer:
 
     def run_facts(self) -> RunFacts:
         """Facts each checkpoint.json records (checkpoint/lineage.py); the schedule is added once known."""
-        data = [{"source": src, **store.identity()} for (src, *_), store in zip(source_list(self.cfg), self.stores)]
+        data = [{"source": src.path, **store.identity()} for src, store in zip(parse_sources(self.cfg.data), self.stores)]
         return RunFacts(world_size=self.env.world_size, global_batch=self.loader.global_batch,
-                        tokenizer=tokenizer_fingerprint(self.run.tokenizer), data=data)
+                        tokenizer=self.tokenizer.ref.checkpoint_record(), data=data)
 
     @property
     def checkpoint_dir(self) -> Path:
