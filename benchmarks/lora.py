@@ -283,6 +283,7 @@ def run(args, tmp: Path, rank: int, world: int, t_start: float) -> None:
     def teardown(trainer: Trainer) -> None:
         trainer.preemption.uninstall()
         trainer.checkpointer.close()
+        trainer.release_locks()  # the next Trainer takes the same train.output_dir
 
     # Untimed, unmeasured: one throwaway build + 1 step, so that one-time costs of the process (library
     # code paged in on first use, allocator arenas, ...) are not charged to whichever variant runs first.
