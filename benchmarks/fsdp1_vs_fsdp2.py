@@ -411,7 +411,7 @@ def lora_run(bench: Bench, which: str, orig: bool, data) -> dict:
         except Exception as e:  # every rank raises the same (the check runs before any collective)
             out.update(ok=False, error=first_line(e))
     out["warnings"] = fsdp_warnings(caught)
-    del s
+    s = None  # drop the model before settle() (not `del`: the on_backward lambda closes over s)
     settle()
     return out
 
