@@ -1,4 +1,4 @@
-"""THE model recipe. Trainer and planner (later eval and generate) build a model only through here.
+"""THE model recipe. Trainer, planner and inference (generate, eval) build a model only through here.
 
     meta -> LoRA / freeze (the frozen base stored as lora.base_dtype: bf16, fp32 or NF4) -> float8 linears
          -> activation checkpointing -> compile -> fully_shard -> materialise -> init or HF load
@@ -6,6 +6,7 @@
 `materialize` is the one step a caller may swap: the trainer allocates real storage and fills it
 (each rank only its shards: `init_weights` draws shard-invariant numbers, the HF load reads only
 the rows a rank owns); the planner allocates fake storage (FakeTensorMode) and fills nothing.
+Inference in one plain process passes no mesh: no fully_shard, the weights cast to the compute dtype.
 """
 
 from __future__ import annotations
@@ -156,12 +157,14 @@ def model_state_bytes(cfg: Config, mc: ModelConfig, device_type: str = "cuda") -
     return total
 
 
-def build_model(cfg: Config, mc: ModelConfig, mesh: DeviceMesh, device: torch.device,
+def build_model(cfg: Config, mc: ModelConfig, mesh: DeviceMesh | None, device: torch.device,
                 materialize: Materialize = materialize_weights) -> Transformer:
-    """The model of `cfg`, sharded over `mesh`; no rank ever holds the whole model."""
+    """The model of `cfg`, sharded over `mesh`; no rank ever holds the whole model. `mesh=None`: one plain
+    process (inference outside torchrun): nothing is sharded and the parameters take the compute dtype that
+    FSDP's all-gather would give them (buffers stay fp32)."""
     t = cfg.train
     model = meta_model(cfg, mc, device.type)
-    if base_dtype(cfg, device.type) == "nf4":
+    if mesh is not None and base_dtype(cfg, device.type) == "nf4":
         from shardlm.lora import lora_layers
         from shardlm.quant.nf4 import check_shapes
 
@@ -172,7 +175,12 @@ def build_model(cfg: Config, mc: ModelConfig, mesh: DeviceMesh, device: torch.de
     apply_ac(model, t.ac, every=t.ac_every)
     if t.compile:
         apply_compile(model, t.compile_backend)
-    apply_fsdp(model, mesh, mp_policy(t.precision(device.type), t.reduce_dtype), cfg.parallel.reshard_after_forward,
-               cpu_offload=t.cpu_offload, prefetch=cfg.parallel.prefetch)
+    policy = mp_policy(t.precision(device.type), t.reduce_dtype)
+    if mesh is not None:
+        apply_fsdp(model, mesh, policy, cfg.parallel.reshard_after_forward, cpu_offload=t.cpu_offload,
+                   prefetch=cfg.parallel.prefetch)
     materialize(model, cfg, device)
+    if mesh is None:
+        for p in model.parameters():
+            p.data = p.data.to(policy.param_dtype)
     return model
