@@ -7,6 +7,7 @@ The run's operations (environment, launch, process group, watchdog, preemption, 
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import time
@@ -66,7 +67,7 @@ class Trainer:
         self.tokenizer = load_tokenizer(self.run.tokenizer)
         warnings: list[str] = []
         self.model_cfg = build_model_config(cfg, self.tokenizer.vocab_size, warn=warnings.append)
-        s.launch(self.run, lambda: model_state_bytes(cfg, self.model_cfg, self.run.device_type))
+        s.launch(self.run, functools.partial(model_state_bytes, cfg, self.model_cfg))
         self.topo, self.dims, self.dims_reason = s.topo, s.dims, s.dims_reason
         self.open_data()
         self.env = s.join()
