@@ -384,7 +384,7 @@ def test_a_store_whose_validation_split_is_gone_says_so(tmp_path):
                                         "again"):
         TokenStore.open(tmp_path / "s").val()
     off = load_config(None, [f"--data.path=store:{tmp_path / 's'}", "--eval.at_end=false"])
-    assert open_val_store(off, ByteTokenizer()) is None
+    assert open_val_store(off.data, off.eval, ByteTokenizer()) is None
     prepare(_spec(tmp_path / "src"), tmp_path / "plain", workers=1, log=lambda _: None)
     assert TokenStore.open(tmp_path / "plain").val() is None  # none was made: none is asked for
 
