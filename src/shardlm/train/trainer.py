@@ -86,10 +86,11 @@ class Trainer:
         say = lambda line: print(line, flush=True)  # noqa: E731
         quiet = say if first else (lambda line: None)
         spec = self.run.tokenizer
-        self.stores = open_stores(cfg, self.tokenizer, log=say, wait_log=quiet, tokenizer_spec=spec)
-        self.val_store = open_val_store(cfg, self.tokenizer, log=say, wait_log=quiet, tokenizer_spec=spec)
-        self.val_sources = mixture_val_stores(cfg, log=quiet)
-        needs_validation(cfg, self.val_store, self.val_sources)
+        self.stores = open_stores(cfg.data, self.tokenizer, log=say, wait_log=quiet, tokenizer_spec=spec)
+        self.val_store = open_val_store(cfg.data, cfg.eval, self.tokenizer, log=say, wait_log=quiet,
+                                        tokenizer_spec=spec)
+        self.val_sources = mixture_val_stores(cfg.data, cfg.eval, log=quiet)
+        needs_validation(cfg.data, cfg.eval, self.val_store, self.val_sources)
         if first:
             self.report.validation_sets(cfg.eval, [self.val_store] if self.val_store else [v for _, v in self.val_sources])
 
@@ -155,8 +156,10 @@ class Trainer:
         metrics = MetricsLogger(self.output_dir, cfg.train.steps, self.is_rank0, m.progress_bar, m.tensorboard,
                                 start_step=self.step)
         self.watchdog.enter("setup: eval")
-        self.validator = build_validator(cfg, self.val_store, self.val_sources, self.tokenizer, dp_rank(self.mesh),
-                                         self.dims.dp, self.env.device)
+        self.validator = build_validator(cfg.data, cfg.eval, self.val_store, self.val_sources, self.tokenizer,
+                                         dp_rank(self.mesh), self.dims.dp, self.env.device,
+                                         micro_batch_size=cfg.train.micro_batch_size,
+                                         loss_chunk_tokens=cfg.train.loss_chunk_tokens)
         # the best val_loss of the run so far (a resume carries the one logged before it)
         self.best_val = best_logged(self.output_dir / "metrics.jsonl", self.step) \
             if self.resumed_from is not None and self.is_rank0 else None
@@ -217,8 +220,10 @@ class Trainer:
         self.checkpointer.save(self.step, final=final, blocking=blocking)
 
     def build_data(self):
-        loader, meta = build_loader(self.cfg, self.tokenizer, dp_rank(self.mesh), self.dims.dp, log=self.log,
-                                    stores=self.stores)
+        t = self.cfg.train
+        loader, meta = build_loader(self.cfg.data, self.tokenizer, dp_rank(self.mesh), self.dims.dp,
+                                    micro_batch_size=t.micro_batch_size, grad_accum=t.grad_accum, seed=t.seed,
+                                    log=self.log, stores=self.stores)
         # every micro-batch's ids against the model's vocabulary: damaged store bytes stop with one line
         loader.vocab_size = self.model_cfg.vocab_size
         loader.source = ", ".join(str(s.path) for s in self.stores)
