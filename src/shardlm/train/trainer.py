@@ -87,8 +87,7 @@ class Trainer:
         quiet = say if first else (lambda line: None)
         spec = self.run.tokenizer
         self.stores = open_stores(cfg.data, self.tokenizer, log=say, wait_log=quiet, tokenizer_spec=spec)
-        self.val_store = open_val_store(cfg.data, cfg.eval, self.tokenizer, log=say, wait_log=quiet,
-                                        tokenizer_spec=spec)
+        self.val_store = open_val_store(cfg.data, cfg.eval, self.tokenizer, say, quiet, tokenizer_spec=spec)
         self.val_sources = mixture_val_stores(cfg.data, cfg.eval, log=quiet)
         needs_validation(cfg.data, cfg.eval, self.val_store, self.val_sources)
         if first:
@@ -152,14 +151,13 @@ class Trainer:
 
     def open_outputs(self) -> None:
         """Metrics, validation, profiler, phase timer and W&B."""
-        cfg, m, pr = self.cfg, self.cfg.metrics, self.cfg.profile
-        metrics = MetricsLogger(self.output_dir, cfg.train.steps, self.is_rank0, m.progress_bar, m.tensorboard,
+        cfg, m, pr, t = self.cfg, self.cfg.metrics, self.cfg.profile, self.cfg.train
+        metrics = MetricsLogger(self.output_dir, t.steps, self.is_rank0, m.progress_bar, m.tensorboard,
                                 start_step=self.step)
         self.watchdog.enter("setup: eval")
         self.validator = build_validator(cfg.data, cfg.eval, self.val_store, self.val_sources, self.tokenizer,
                                          dp_rank(self.mesh), self.dims.dp, self.env.device,
-                                         micro_batch_size=cfg.train.micro_batch_size,
-                                         loss_chunk_tokens=cfg.train.loss_chunk_tokens)
+                                         micro_batch_size=t.micro_batch_size, loss_chunk_tokens=t.loss_chunk_tokens)
         # the best val_loss of the run so far (a resume carries the one logged before it)
         self.best_val = best_logged(self.output_dir / "metrics.jsonl", self.step) \
             if self.resumed_from is not None and self.is_rank0 else None
