@@ -166,7 +166,7 @@ class Bench:
         # interval = s + save_at: its only multiple in (s, s + n] is s + save_at (2 * interval > s + n).
         c = dataclasses.replace(cfg.checkpoint, interval=0 if save_at is None else s + save_at)
         trainer.cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, steps=s + n), checkpoint=c)
-        trainer.metrics = MetricsLogger(trainer.output_dir, s + n, self.rank0, False, False, start_step=s)
+        trainer.report.open(MetricsLogger(trainer.output_dir, s + n, self.rank0, False, False, start_step=s), None)
         trainer.checkpointer = ck
         with contextlib.redirect_stdout(self.log):
             trainer.train()

@@ -18,7 +18,7 @@ and step; rank r's batch k is the same for both), with the same initial weights 
          False, rank0_only=True), FullOptimStateDictConfig(offload_to_cpu=False, rank0_only=True))` (why not
          offload_to_cpu=True: see OFFLOAD below), `model.state_dict()` + `FSDP.optim_state_dict`, rank 0
          `torch.save`s {model, optim, step} to one file, flush + fsync, barrier.
-  FSDP2  `shardlm.trainer.build_model` (meta -> fully_shard per block, then the root -> to_empty -> init_weights
+  FSDP2  `shardlm.build.build_model` (meta -> fully_shard per block, then the root -> to_empty -> init_weights
          of each rank's shards), `shardlm.optim.build_optimizer`, `shardlm.parallel.fsdp.clip_grad_norm_`.
          Checkpoint: `shardlm.checkpoint.Checkpointer.save(blocking=True)` (DCP, one file per rank, fsynced,
          atomic rename by rank 0).
@@ -509,7 +509,7 @@ def header_lines(bench: Bench, args, res: dict) -> list[str]:
         "FSDP1 = FullyShardedDataParallel(ModuleWrapPolicy({Block}), use_orig_params=True, device_id=cpu), "
         f"full-state-dict checkpoint (rank0_only=True, offload_to_cpu={OFFLOAD}: True segfaults / aliases the "
         "AdamW moments on CPU, see the script) -> rank-0 torch.save + fsync;",
-        "FSDP2 = shardlm.trainer.build_model (fully_shard per block, then root) + build_optimizer, "
+        "FSDP2 = shardlm.build.build_model (fully_shard per block, then root) + build_optimizer, "
         "shardlm Checkpointer.save(blocking=True) (DCP, fsync).",
         f"step = forward + mean CE + backward + clip(1.0) + AdamW + zero_grad. {args.repeats} builds of each "
         f"variant, order alternating; {WARMUP} warmup + {args.steps} timed steps each; medians over builds. "

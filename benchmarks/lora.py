@@ -25,7 +25,7 @@ line); the other rank waits (broadcast).
    VmHWM (reset through /proc/self/clear_refs at the start) minus the same baseline, "built+" the RSS right
    after the Trainer was built (model loaded, data tokenised) minus the baseline. Medians over the R builds.
 2. HF load, same process, both ranks at once, R times alternating, medians:
-     shardlm  `shardlm.trainer.build_model` (what the Trainer runs: Transformer on meta -> fully_shard each
+     shardlm  `shardlm.build.build_model` (what the Trainer runs: Transformer on meta -> fully_shard each
               block + root -> to_empty -> init_weights -> `interop.hf.load.load_hf_weights`: every rank reads only its
               own rows of each tensor from the memory-mapped safetensors),
      HF       `transformers.AutoModelForCausalLM.from_pretrained(dir, dtype=float32)` of the same files,
@@ -304,7 +304,7 @@ def train_call(trainer: Trainer, n: int, rank0: bool) -> None:
     """One Trainer.train() call of n more steps (train.steps raised, a fresh MetricsLogger)."""
     s = trainer.step
     trainer.cfg = dataclasses.replace(trainer.cfg, train=dataclasses.replace(trainer.cfg.train, steps=s + n))
-    trainer.metrics = MetricsLogger(trainer.output_dir, s + n, rank0, False, False, start_step=s)
+    trainer.report.open(MetricsLogger(trainer.output_dir, s + n, rank0, False, False, start_step=s), None)
     trainer.train()
 
 
@@ -495,7 +495,7 @@ def load_lines(res: Results) -> list[str]:
     lines = [
         f"2. HF load into one process per rank, both ranks at once, {res.args.repeats} times each alternating; "
         "medians; time = slowest rank",
-        "  shardlm = shardlm.trainer.build_model (meta -> fully_shard -> to_empty -> init_weights -> load_hf_weights: "
+        "  shardlm = shardlm.build.build_model (meta -> fully_shard -> to_empty -> init_weights -> load_hf_weights: "
         "each rank reads only its rows); HF = AutoModelForCausalLM.from_pretrained(dir, dtype=float32) on EVERY "
         "rank (whole model each)",
         "  then every parameter is read once ('touch', untimed in 'load s'): from_pretrained's parameters are lazy "

@@ -130,8 +130,8 @@ def prepare_shardlm(trainer: Trainer, base_cfg, steps: int) -> None:
     """Untimed set-up of the next Trainer.train() call: `steps` more steps, a fresh MetricsLogger
     (the previous call's finish() closed it). The scheduler keeps base_cfg.train (the full length)."""
     trainer.cfg = dataclasses.replace(base_cfg, train=dataclasses.replace(base_cfg.train, steps=trainer.step + steps))
-    trainer.metrics = MetricsLogger(trainer.output_dir, trainer.cfg.train.steps, trainer.is_rank0,
-                                    base_cfg.metrics.progress_bar, base_cfg.metrics.tensorboard)
+    trainer.report.open(MetricsLogger(trainer.output_dir, trainer.cfg.train.steps, trainer.is_rank0,
+                                      base_cfg.metrics.progress_bar, base_cfg.metrics.tensorboard), None)
 
 
 def timed(fn) -> tuple[float, float]:

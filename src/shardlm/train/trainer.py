@@ -287,7 +287,6 @@ class Trainer:
             self.log(f"nothing to do: the checkpoint is at step {self.step} and train.steps={t.steps}; "
                      "raise train.steps to train further")
         records, start = [], time.perf_counter()
-        self.checkpointer.facts.schedule = Schedule(t.steps, self.scheduler.anchor)
         self.preemption.catch_ctrl_c()  # from here to the end of the loop, Ctrl-C saves and stops
         with self.watchdog.guard():
             stopped, interrupted = self.loop(records, meter, tokens_per_step, start)
