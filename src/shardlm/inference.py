@@ -44,7 +44,7 @@ import torch.distributed as dist
 from shardlm.build import build_model, build_model_config, materialize_weights, model_state_bytes
 from shardlm.checkpoint.manager import SafeLoadPlanner, read_keys, saved_tensors
 from shardlm.checkpoint.meta import CheckpointMeta
-from shardlm.checkpoint.reader import SINGLE_PROCESS_WARNING
+from shardlm.checkpoint.reader import CheckpointReader, SINGLE_PROCESS_WARNING
 from shardlm.config import Config, LoraSection
 from shardlm.data.tokenizer import Tokenizer, load_tokenizer
 from shardlm.distributed.env import device_type, shutdown_distributed
@@ -52,6 +52,13 @@ from shardlm.errors import CheckpointError, ConfigError
 from shardlm.lora import lora_delta
 from shardlm.models.llama import ModelConfig, Transformer
 from shardlm.parallel.launch import plan_launch
+from shardlm.data.sft import ChatTemplate
+from shardlm.generate import encode_prompt
+from shardlm.interop.hf.config import read_hf_config
+from shardlm.interop.hf.export import recorded_tokenizer
+from shardlm.interop.hf.load import load_hf_weights
+from shardlm.interop.hf.names import split_lora
+from shardlm.parallel.fsdp import shard_region
 
 Pairs = dict[str, dict[str, str]]  # adapted module -> {"A": its lora_A name, "B": its lora_B name}
 
@@ -80,8 +87,6 @@ class Inference:
 
     def encode(self, prompt: str | list[dict[str, str]], chat: bool = True) -> list[int]:
         """A prompt's ids (`generate.encode_prompt`), through the chat template when there is one and `chat`."""
-        from shardlm.generate import encode_prompt
-
         return encode_prompt(self.tokenizer, prompt, self.template if chat else None)
 
     def describe(self) -> str:
@@ -128,9 +133,7 @@ def _stop_ids(tokenizer: Tokenizer, folder: Path | None, template: Any) -> tuple
 
 
 def _checkpoint_tokenizer(ck: Path, meta: CheckpointMeta) -> str:
-    from shardlm.interop.hf.export import _recorded_tokenizer
-
-    spec = _recorded_tokenizer(ck, meta)
+    spec = recorded_tokenizer(ck, meta)
     if spec is None:
         raise ConfigError(f"{ck} records no tokenizer; pass one with --tokenizer (a tokenizer.json, its folder, "
                           "or bytes)")
@@ -142,8 +145,6 @@ def _checkpoint_tokenizer(ck: Path, meta: CheckpointMeta) -> str:
 
 def _adapters(ck: Path, meta: CheckpointMeta) -> tuple[Pairs, float]:
     """The checkpoint's LoRA pairs and alpha / rank (({}, 0.0) without adapters)."""
-    from shardlm.interop.hf.names import split_lora
-
     stored = [k[len("model."):] for k in read_keys(ck) if k.startswith("model.")]
     try:
         _, pairs = split_lora(stored)
@@ -164,14 +165,11 @@ def load_merged_lora(model: Transformer, ck: Path, pairs: Pairs, scaling: float,
     from torch.distributed.checkpoint import load as dcp_load
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
-    from shardlm.parallel.fsdp import shard_region
 
     stored = saved_tensors(ck, "model")
     state = get_model_state_dict(model) if base else {}
     missing = sorted(state.keys() - stored.keys())
     if missing:  # a QLoRA run's base weights are stored as NF4 pieces: read each dequantised, keep this rank's rows
-        from shardlm.checkpoint.reader import CheckpointReader
-
         reader = CheckpointReader(ck)
         for name in [n for n in missing if n in reader.nf4]:
             local, shape, offset = shard_region(model.get_parameter(name))
@@ -215,8 +213,6 @@ def _materializer(ck: Path | None, pairs: Pairs, scaling: float, adapters_only: 
         model.to_empty(device=device)
         model.rope.reset_parameters()
         if adapters_only:
-            from shardlm.interop.hf.load import load_hf_weights
-
             load_hf_weights(model, base_dir)
         load_merged_lora(model, ck, pairs, scaling, base=not adapters_only)
 
@@ -240,8 +236,6 @@ def load_for_inference(*, hf: str | os.PathLike | None = None, checkpoint: str |
     tokenizer = tokenizer or (cfg.data.tokenizer if cfg.data.tokenizer != "auto" else None)
     ck, pairs, scaling, adapters_only = None, {}, 0.0, False
     if hf is not None:
-        from shardlm.interop.hf.config import read_hf_config
-
         folder = Path(hf).resolve()
         context = read_hf_config(folder)[0].max_seq_len  # ConfigError for a folder that is not an HF model
         if tokenizer is None and not (folder / "tokenizer.json").is_file():
@@ -262,8 +256,6 @@ def load_for_inference(*, hf: str | os.PathLike | None = None, checkpoint: str |
                                   f"{base_dir or '(not recorded)'} is not there; put the base back at that path")
         context = mc.max_seq_len
         if base_dir is not None and (base_dir / "config.json").is_file():
-            from shardlm.interop.hf.config import read_hf_config
-
             context = read_hf_config(base_dir)[0].max_seq_len
         cfg.model.init_from = f"dcp:{ck}"
         merged = f" (LoRA r={meta.lora.rank} merged)" if pairs else ""
@@ -274,8 +266,6 @@ def load_for_inference(*, hf: str | os.PathLike | None = None, checkpoint: str |
     model_cfg = build_model_config(cfg, tok.vocab_size)
     materialize = _materializer(ck, pairs, scaling, adapters_only, base_dir)
     model, device, rank, world, owns = _build(cfg, model_cfg, materialize)
-    from shardlm.data.sft import ChatTemplate
-
     template = ChatTemplate.from_dir(getattr(tok, "directory", None))
     return Inference(model=model.eval(), tokenizer=tok, config=cfg, model_cfg=model_cfg, device=device,
                      precision=cfg.train.precision(device.type), context=context,

@@ -129,12 +129,8 @@ def test_no_module_imports_from_a_higher_layer():
 # that must stay light (`shardlm --help` builds every command's parser; prepare's torch-free worker processes).
 LAZY_MARK = "# lazy:"
 
-# TODO(integrator): these files were being changed in other branches while the rule above came in; once those
-# branches are merged, give their function-local shardlm imports a `# lazy:` reason or move them to the top, and
-# empty this set: data/store/prepare.py (5 such imports), checkpoint/manager.py (5), eval/validation.py (3),
-# inference.py (12), bench/comm.py (10).
-NOT_YET_CLEANED = {"shardlm/data/store/prepare.py", "shardlm/checkpoint/manager.py", "shardlm/eval/validation.py",
-                   "shardlm/inference.py", "shardlm/bench/comm.py"}
+# Files exempt from the rule (none: keep it so).
+NOT_YET_CLEANED: set[str] = set()
 
 
 def _imports_shardlm(node: ast.Import | ast.ImportFrom) -> bool:

@@ -34,6 +34,10 @@ from shardlm.config import Config
 from shardlm.errors import ConfigError
 from shardlm.models.llama import OutputHead
 from shardlm.parallel.launch import plan_launch
+from shardlm.build import build_model_config, meta_model, model_state_bytes
+from shardlm.distributed.env import device_type
+from shardlm.observe.metrics import peak_flops
+from shardlm.parallel.fsdp import DTYPES, unsharded_blocks
 
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce")
 MIB = 2**20
@@ -115,9 +119,6 @@ class ModelBytes:
 
 def model_bytes(cfg: Config, mc: Any, device_type: str) -> tuple[ModelBytes, str, str]:
     """(ModelBytes, param dtype name, reduce dtype name) of cfg's model (`mc`), counted on the meta device."""
-    from shardlm.build import meta_model
-    from shardlm.parallel.fsdp import DTYPES
-
     model = meta_model(cfg, mc)
     block = list(model.layers[0].parameters())
     in_blocks = {id(p) for layer in model.layers for p in layer.parameters()}
@@ -163,8 +164,6 @@ def step_traffic(mb: ModelBytes, dp_shard: int, dp_replicate: int, reshard_after
     ag = rs = 0
     detail = {c: "none" for c in COLLECTIVES}
     if dp_shard > 1:
-        from shardlm.parallel.fsdp import unsharded_blocks
-
         k, _ = unsharded_blocks(raf, L, mb.block_params * mb.param_size, spare_bytes)
         bwd_blocks, again = L - k, (mb.regathered if raf is not False else 0)
         ag = ((L + bwd_blocks) * mb.block_params + mb.root_params + again) * mb.param_size * grad_accum
@@ -266,8 +265,6 @@ def _measure(collective: str, size: int, n: int, dtype: torch.dtype, device: tor
 def achieved_flops(device: torch.device, dtype: torch.dtype) -> tuple[float, str]:
     """Achieved matmul FLOP/s of this rank: ASSUMED_MFU x the datasheet peak on a known GPU in bf16,
     else a timed square matmul."""
-    from shardlm.observe.metrics import peak_flops
-
     peak = peak_flops(device)
     if peak is not None and dtype == torch.bfloat16:
         return ASSUMED_MFU * peak, (f"assumed {ASSUMED_MFU:.0%} of the {torch.cuda.get_device_name(device)} bf16 "
@@ -289,9 +286,6 @@ def achieved_flops(device: torch.device, dtype: torch.dtype) -> tuple[float, str
 def run_comm_bench(cfg: Config, sizes: list[int] | None = None, max_size: int | None = None, iters: int | None = None,
                    warmup: int | None = None, flag_ratio: float = DEFAULT_FLAG_RATIO) -> dict[str, Any]:
     """Measure on every rank (joining or making the process group); returns the report (complete on rank 0)."""
-    from shardlm.build import build_model_config, model_state_bytes
-    from shardlm.distributed.env import device_type
-
     # Everything that can be wrong with the config fails here, before any collective.
     dev_type = device_type(cfg.train.device)
     cuda = dev_type == "cuda"
@@ -341,8 +335,6 @@ def measure_mesh(mesh: Any, fsdp: Mapping[str, tuple[str, int, str]], sizes: lis
                  iters: int, warmup: int) -> tuple[list[dict], list[dict]]:
     """Every collective at its FSDP size (label, bytes, dtype name) and at `sizes`, over each mesh dimension
     of more than one rank: (rows with time, algbw and busbw as the slowest rank saw them, the dimensions)."""
-    from shardlm.parallel.fsdp import DTYPES
-
     world = dist.get_world_size()
     rows, dims = [], []
     for i, name in enumerate(mesh.mesh_dim_names):
@@ -387,8 +379,6 @@ def _step_estimate(cfg: Config, mc: Any, mb: ModelBytes, pdims: Any, rows: list[
                    param_dtype: str) -> tuple[dict[str, Any], list[str]]:
     """The step estimate as the report holds it: all-gather and reduce-scatter at their FSDP-size algbw on
     dp_shard, the HSDP all-reduce at its algbw on dp_replicate; compute at this fabric's FLOP/s."""
-    from shardlm.parallel.fsdp import DTYPES
-
     flops_per_s, source = achieved_flops(device, DTYPES[param_dtype])
     f = torch.tensor([flops_per_s], dtype=torch.float64, device=device)
     dist.all_reduce(f, op=dist.ReduceOp.MIN)  # the slowest rank sets the step

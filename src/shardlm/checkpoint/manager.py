@@ -23,7 +23,7 @@ import shutil
 import time
 from concurrent.futures import Future
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -47,9 +47,10 @@ from shardlm.checkpoint.lineage import Record, RunFacts
 from shardlm.data.tokenizer import TokenizerRef
 from shardlm.errors import CheckpointError, ConfigError, DataError
 from shardlm.fsutil import swap_in
+from shardlm.checkpoint.meta import CHANGEABLE, CheckpointMeta, data_changes, resume_changes
+from shardlm.disk import disk_cause, disk_error
+from shardlm.quant.nf4 import nf4_params, nf4_pieces
 
-if TYPE_CHECKING:
-    from shardlm.checkpoint.meta import CheckpointMeta
 
 def read_keys(path: Path) -> set[str]:
     """The flattened state-dict keys a checkpoint holds; a clear error when it isn't a DCP checkpoint."""
@@ -146,8 +147,6 @@ class Checkpointer:
     def __init__(self, cfg: CheckpointSection, folder: Path, rank: int, model: nn.Module,
                  optimizer: torch.optim.Optimizer, states: dict[str, Any], log=print, trainable_only: bool = False,
                  meta: CheckpointMeta | None = None, facts: RunFacts | None = None):
-        from shardlm.checkpoint.meta import CHANGEABLE
-
         unknown = [f for f in cfg.allow_changed if f not in CHANGEABLE]
         if unknown:
             raise ConfigError(f"checkpoint.allow_changed: unknown field(s) {', '.join(unknown)}; valid: "
@@ -163,8 +162,6 @@ class Checkpointer:
         # NF4 base weights (lora.base_dtype=nf4) are saved as their NF4 pieces (`nf4_pieces`: plain
         # sharded tensors, ~0.52 bytes per weight; CheckpointReader dequantises them for the export) but
         # never loaded back: the build re-quantised them from model.init_from (or the seed), bitwise the same.
-        from shardlm.quant.nf4 import nf4_params
-
         self._nf4 = set(nf4_params(model)) if model is not None else set()
         self.options = StateDictOptions(ignore_frozen_params=trainable_only,
                                         strict=not (trainable_only or self._nf4))
@@ -233,8 +230,6 @@ class Checkpointer:
         """ConfigError when `path` was saved by a different model, LoRA setup or tokenizer than this run's."""
         if self.meta is None:
             return
-        from shardlm.checkpoint.meta import CheckpointMeta, data_changes, resume_changes
-
         try:
             saved = CheckpointMeta.load(path)
         except CheckpointError:
@@ -300,8 +295,6 @@ class Checkpointer:
             model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=self.options)
             state = {"model": model_sd, "optim": optim_sd, **{k: _tensors(v) for k, v in self.states.items()}}
         if self._nf4:
-            from shardlm.quant.nf4 import nf4_pieces
-
             state["model"] = nf4_pieces(state["model"])
         if self.cfg.async_ and not blocking:
             # async_save copies the state to host memory before returning: what lands on disk is
@@ -321,8 +314,6 @@ class Checkpointer:
         """A save that failed for a full disk, a quota or a file-size limit: remove its partial folder (what
         filled the disk; rank 0, which every rank's DCP error reaches) and raise one line naming the disk, the
         size of one checkpoint and the checkpoint that stands. Other failures: nothing (the caller re-raises)."""
-        from shardlm.disk import disk_cause, disk_error
-
         cause = disk_cause(exc, self.folder, written=tmp)  # before the partial goes (it shows the limit hit)
         if cause is None and self.rank != 0 and isinstance(exc, CheckpointException) and not tmp.exists():
             import errno  # rank 0 saw the same failed save first, found the disk full and removed the partial

@@ -38,6 +38,7 @@ from shardlm.data.tokenizer import Tokenizer, encode_texts, load_tokenizer
 from shardlm.disk import disk_error
 from shardlm.errors import ConfigError
 from shardlm.fsutil import FileLock, staged, swap_in
+from shardlm.data.chat import answer_info, load_template, record_key, tokenize_records, unit_messages
 
 
 @dataclass
@@ -62,8 +63,6 @@ class PrepareSpec:
         if self.kind not in ("text", "sft"):
             raise ValueError(f"kind must be text or sft, got {self.kind!r}")
         if self.kind == "sft" and self.template is None:
-            from shardlm.data.chat import load_template
-
             t = load_template(load_tokenizer(self.tokenizer), self.template_dir)
             self.template = {"name": t.name, "fingerprint": t.fingerprint}
 
@@ -145,8 +144,6 @@ def _init_worker(tokenizer: str, counters: Any, pool: bool = True, kind: str = "
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # one process per core already
     _W["tok"], _W["counters"] = load_tokenizer(tokenizer), counters
     if kind == "sft":
-        from shardlm.data.chat import load_template
-
         _W["template"] = load_template(_W["tok"], template_dir)
 
 
@@ -168,8 +165,6 @@ class _Part:
         self.lengths.append(int(ids.size) + 1)
 
     def add_sample(self, ids: np.ndarray, mask: np.ndarray) -> None:
-        from shardlm.data.chat import answer_info
-
         self.f.write(ids.astype(self.dtype, copy=False).tobytes())
         self.m.write(np.asarray(mask, dtype=np.uint8).tobytes())  # type: ignore[union-attr]
         self.lengths.append(int(ids.size))
@@ -250,8 +245,6 @@ def _unit_texts(job: UnitJob, bad: BadRecords, stdlib_skipped: list[tuple[str, s
 def _sft_unit(units: list[Unit], tok: Tokenizer, template: Any, train: _Part, val: _Part | None, seed: int,
               fraction: float, bad: BadRecords, counters: Any, pending: list[int]) -> None:
     """SFT records -> rendered, tokenised samples (ids + answer mask), 256 records at a time."""
-    from shardlm.data.chat import record_key, tokenize_records, unit_messages
-
     def flush(batch: list) -> None:
         for (ids, mask), (messages, _) in zip(tokenize_records(batch, tok, template), batch):
             split_val = val is not None and in_val(record_key(messages), seed, fraction)
@@ -601,8 +594,6 @@ def sft_spec(files: list[Path], tokenizer: Tokenizer, template_dir: str | Path |
              tokenizer_spec: str | None = None) -> PrepareSpec:
     """The PrepareSpec of SFT records in `files`, rendered with the chat template of `template_dir` (None, or a
     folder without one: the plain template)."""
-    from shardlm.data.chat import load_template
-
     t = load_template(tokenizer, template_dir)
     return PrepareSpec(files, tokenizer_spec or tokenizer.spec, tokenizer.fingerprint, kind="sft",
                        template_dir=None if template_dir is None else str(template_dir),

@@ -476,7 +476,7 @@ def export_peft_adapter(
     return config
 
 
-def _recorded_tokenizer(ck: Path, meta: CheckpointMeta) -> str | None:
+def recorded_tokenizer(ck: Path, meta: CheckpointMeta) -> str | None:
     """The tokenizer the run trained with: hf_source.json's, else checkpoint.json's ("bytes" or a path)."""
     if meta.tokenizer is not None:
         return meta.tokenizer
@@ -533,7 +533,7 @@ def export_checkpoint(checkpoint_dir: str | os.PathLike, out: str | os.PathLike,
     if tokenizer_dir is not None:
         spec: str | None = str(tokenizer_dir)
     else:
-        spec = _recorded_tokenizer(ck, meta)
+        spec = recorded_tokenizer(ck, meta)
         if spec not in (None, "bytes") and not Path(spec).exists():
             raise ConfigError(f"{ck} was trained with the tokenizer {spec}, which is not there any more; pass its "
                               "folder with --tokenizer DIR")
