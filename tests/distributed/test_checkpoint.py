@@ -9,8 +9,8 @@ import time
 from pathlib import Path
 
 import pytest
-from launch import run_ranks
-from whole import whole
+from helpers.launch import run_ranks
+from helpers.whole import whole
 
 STEPS, HALF = 12, 6
 

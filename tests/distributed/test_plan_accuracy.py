@@ -33,7 +33,7 @@ copies nothing, so on GPUs the planner's number is the one to expect.
 from __future__ import annotations
 
 import pytest
-from launch import run_ranks
+from helpers.launch import run_ranks
 
 TOL = 0.15
 MID = ["--model.preset=debug", "--model.dim=256", "--model.n_layers=4", "--model.ffn_dim=768", "--model.vocab_size=8192"]

@@ -15,7 +15,7 @@ mask per layer, 4 layers, + per-token cos/sin + positions).
 from __future__ import annotations
 
 import pytest
-from launch import run_ranks
+from helpers.launch import run_ranks
 from test_plan_accuracy import TOL, _config, _real_worker
 
 BASE = ["--model.preset=debug", "--train.mixed_precision=fp32", "--train.micro_batch_size=2", "--data.seq_len=512"]

@@ -16,7 +16,7 @@ test_plan_accuracy's known one (gloo copies the reduce-scatter input; NCCL and t
 from __future__ import annotations
 
 import pytest
-from launch import run_ranks
+from helpers.launch import run_ranks
 from test_plan_accuracy import MID, TOL, _config, _real_worker
 
 BASE = [*MID, "--train.mixed_precision=fp32", "--train.micro_batch_size=1", "--data.seq_len=128"]

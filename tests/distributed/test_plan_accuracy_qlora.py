@@ -14,7 +14,7 @@ per rank 29,253,924 vs 29,253,428 B (nf4), 47,253,492 vs 47,252,996 B (bf16 base
 from __future__ import annotations
 
 import pytest
-from launch import run_ranks
+from helpers.launch import run_ranks
 from test_plan_accuracy import TOL, _config, _real_worker
 
 pytest.importorskip("torchao")

@@ -23,8 +23,8 @@ import json
 from pathlib import Path
 
 import pytest
-from launch import run_ranks
-from whole import local, whole
+from helpers.launch import run_ranks
+from helpers.whole import local, whole
 
 pytest.importorskip("transformers")
 pytest.importorskip("torchao")

@@ -8,8 +8,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from launch import run_ranks
-from whole import local
+from helpers.launch import run_ranks
+from helpers.whole import local
 from test_qlora_fsdp import _overrides, make_hf
 
 pytest.importorskip("transformers")

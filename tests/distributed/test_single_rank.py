@@ -20,7 +20,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from launch import run_ranks
+from helpers.launch import run_ranks
 
 pytest.importorskip("transformers")
 pytest.importorskip("torchao")
