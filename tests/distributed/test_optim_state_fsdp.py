@@ -38,6 +38,7 @@ from pathlib import Path
 
 import pytest
 from helpers.launch import run_ranks
+from helpers.runs import stop_after_trainer
 from helpers.whole import local, whole
 
 STEPS, HALF = 12, 6
@@ -121,7 +122,6 @@ def _train(runs: list[tuple[list[str], int | None]]) -> list[dict]:
     after step k as SIGTERM does (save, stop)."""
     from shardlm.config import load_config
     from shardlm.train.optim import int8_quantised, state_bytes
-    from test_checkpoint import stop_after_trainer
 
     StopAfter = stop_after_trainer()
 
