@@ -161,11 +161,10 @@ def test_every_plan_command_the_docs_show_runs_on_a_fresh_checkout(capsys):
     """The plan commands in README.md, docs/*.md and configs/*.toml, as written (HF folders absent here)."""
     import re
     import shlex
-    from pathlib import Path
+    from helpers.paths import ROOT as root
 
     from shardlm.cli import main
 
-    root = Path(__file__).resolve().parents[2]
     texts = [root / "README.md", *sorted((root / "docs").glob("*.md")), *sorted((root / "configs").glob("*.toml"))]
     cmds = {m.group(1).split("[")[0].strip().rstrip("`") for f in texts
             for m in re.finditer(r"shardlm plan (--config [^\n`]+)", f.read_text())}
