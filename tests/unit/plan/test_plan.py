@@ -19,6 +19,7 @@ from shardlm.cli import main
 from shardlm.config import load_config
 from shardlm.errors import PlanError
 from shardlm.plan import GIB, Breakdown, plan
+from shardlm.plan.report import flat
 
 
 def _cfg(*overrides: str, ac: str | None = None):
@@ -277,7 +278,7 @@ def test_breakdown_grouping():
     snap = {"cpu": {"Sharded Param": 1, "Unsharded Param": 2, "Buffer": 4, "Sharded Grad": 8, "Unsharded Grad": 16,
                     "Activation": 32, "Inputs": 64, "Temp": 128, "All Gather": 256, "Reduce Scatter": 512,
                     "OptState": 1024, "Total": 2047}}
-    b = Breakdown.from_snapshot(snap)
+    b = Breakdown.from_flat(flat(snap))
     assert (b.params, b.grads, b.activations, b.temporaries, b.comm, b.optimizer, b.total) == (
         7, 24, 96, 128, 768, 1024, 2047)
 
