@@ -112,208 +112,265 @@ def main() -> None:
 
     torch.set_num_threads(1)  # 2 ranks on 2 cores
     dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    rank0 = rank == 0
+    rank = dist.get_rank()
     tmp = shared_tmpdir("shardlm-ckpt-bench-", "/tmp",
                         fill=lambda d: write_corpus(d / "corpus.jsonl", CORPUS_BYTES))
     log = open(tmp / f"trainer-rank{rank}.log", "w")
+    bench = Bench(tmp, rank, log)
+    sizes = warmup(bench)
+    res: dict[str, list] = {k: [] for k in ("dcp", "full", "blk_sync", "blk_async", "loop_none", "loop_sync",
+                                            "loop_async")}
+    measure_saves(bench, args.repeats, res)
+    measure_blocking(bench, args.repeats, res)
+    measure_loop(bench, args.repeats, args.steps, res)
+    if bench.rank0:
+        fig = Figures(res, dist.get_world_size())
+        report([*header_lines(bench, args, sizes), *table_lines(fig, args, sizes), *summary_lines(fig, args, sizes)],
+               RESULT if args.save else None)
+    bench.close()
+    log.close()
+    if bench.rank0:
+        shutil.rmtree(tmp, ignore_errors=True)
 
-    cfg = load_config(None, [
-        *MODEL, "--train.mixed_precision=fp32", "--train.device=cpu", "--train.micro_batch_size=1",
-        "--train.grad_accum=1", "--train.steps=100000", f"--train.output_dir={tmp / 'run'}",
-        "--data.seq_len=64", f"--data.path={tmp / 'corpus.jsonl'}", f"--data.cache_dir={tmp / 'cache'}",
-        "--metrics.progress_bar=false", "--metrics.log_every=100000",
-        "--checkpoint.save_final=false", "--checkpoint.resume=none", "--checkpoint.interval=0",
-        "--checkpoint.keep_last=0", "--checkpoint.async=false", f"--checkpoint.dir={tmp / 'ckpt-sync'}",
-    ])
-    with contextlib.redirect_stdout(log):
-        trainer = Trainer(cfg)
-        ck_sync = trainer.checkpointer
-        ck_async = Checkpointer(dataclasses.replace(cfg.checkpoint, async_=True, dir=str(tmp / "ckpt-async")),
-                                tmp / "ckpt-async", rank, trainer.model, trainer.optimizer,
-                                {"trainer": trainer.state}, log=trainer.log)
-    model, opt = trainer.model, trainer.optimizer
 
-    def train(n: int, save_at: int | None, ck: Checkpointer) -> None:
+class Bench:
+    """ONE Trainer and its two Checkpointers (async off: the Trainer's own; async on), and what is measured."""
+
+    def __init__(self, tmp: Path, rank: int, log) -> None:
+        self.tmp, self.log, self.rank0 = tmp, log, rank == 0
+        self.cfg = cfg = load_config(None, [
+            *MODEL, "--train.mixed_precision=fp32", "--train.device=cpu", "--train.micro_batch_size=1",
+            "--train.grad_accum=1", "--train.steps=100000", f"--train.output_dir={tmp / 'run'}",
+            "--data.seq_len=64", f"--data.path={tmp / 'corpus.jsonl'}", f"--data.cache_dir={tmp / 'cache'}",
+            "--metrics.progress_bar=false", "--metrics.log_every=100000",
+            "--checkpoint.save_final=false", "--checkpoint.resume=none", "--checkpoint.interval=0",
+            "--checkpoint.keep_last=0", "--checkpoint.async=false", f"--checkpoint.dir={tmp / 'ckpt-sync'}",
+        ])
+        with contextlib.redirect_stdout(log):
+            self.trainer = trainer = Trainer(cfg)
+            self.ck_sync = trainer.checkpointer
+            self.ck_async = Checkpointer(dataclasses.replace(cfg.checkpoint, async_=True, dir=str(tmp / "ckpt-async")),
+                                         tmp / "ckpt-async", rank, trainer.model, trainer.optimizer,
+                                         {"trainer": trainer.state}, log=trainer.log)
+        self.model, self.opt = trainer.model, trainer.optimizer
+        self.step_id = 10**6  # step numbers for direct saves, never clashing with training steps
+        self.full_file = tmp / "full.pt"
+        self.full_opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+
+    def train(self, n: int, save_at: int | None, ck: Checkpointer) -> None:
         """One Trainer.train() call of n more steps, a checkpoint after step trainer.step + save_at."""
+        trainer, cfg = self.trainer, self.cfg
         s = trainer.step
         if save_at is not None and s == 0:
             raise RuntimeError("place the save by interval needs trainer.step > 0 (run a warmup first)")
         # interval = s + save_at: its only multiple in (s, s + n] is s + save_at (2 * interval > s + n).
         c = dataclasses.replace(cfg.checkpoint, interval=0 if save_at is None else s + save_at)
         trainer.cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, steps=s + n), checkpoint=c)
-        trainer.metrics = MetricsLogger(trainer.output_dir, s + n, rank0, False, False, start_step=s)
+        trainer.report.open(MetricsLogger(trainer.output_dir, s + n, self.rank0, False, False, start_step=s), None)
         trainer.checkpointer = ck
-        with contextlib.redirect_stdout(log):
+        with contextlib.redirect_stdout(self.log):
             trainer.train()
 
-    step_id = [10**6]  # step numbers for direct saves, never clashing with training steps
+    def dcp_save(self) -> None:
+        self.step_id += 1
+        with contextlib.redirect_stdout(self.log):
+            self.ck_sync.save(self.step_id, blocking=True)
 
-    def dcp_save() -> None:
-        step_id[0] += 1
-        with contextlib.redirect_stdout(log):
-            ck_sync.save(step_id[0], blocking=True)
-
-    full_file = tmp / "full.pt"
-    full_opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
-
-    def full_save() -> None:
-        msd = get_model_state_dict(model, options=full_opts)
-        osd = get_optimizer_state_dict(model, opt, options=full_opts)
-        if rank0:
-            with open(full_file, "wb") as f:
-                torch.save({"model": msd, "optim": osd, "trainer": trainer.state.state_dict()}, f)
+    def full_save(self) -> None:
+        msd = get_model_state_dict(self.model, options=self.full_opts)
+        osd = get_optimizer_state_dict(self.model, self.opt, options=self.full_opts)
+        if self.rank0:
+            with open(self.full_file, "wb") as f:
+                torch.save({"model": msd, "optim": osd, "trainer": self.trainer.state.state_dict()}, f)
                 f.flush()
                 os.fsync(f.fileno())
         del msd, osd
         dist.barrier()
 
-    def trainer_save(ck: Checkpointer) -> None:
-        trainer.checkpointer = ck
-        with contextlib.redirect_stdout(log):
-            trainer.save()
+    def trainer_save(self, ck: Checkpointer) -> None:
+        self.trainer.checkpointer = ck
+        with contextlib.redirect_stdout(self.log):
+            self.trainer.save()
 
-    def wait_async() -> None:
-        with contextlib.redirect_stdout(log):
-            ck_async.wait()
+    def wait_async(self) -> None:
+        with contextlib.redirect_stdout(self.log):
+            self.ck_async.wait()
 
-    # -- warmup (untimed): optimizer state exists, every code path ran once ---------------------
+    def close(self) -> None:
+        with contextlib.redirect_stdout(self.log):
+            self.ck_async.close()
+            self.trainer.checkpointer = self.ck_sync
+            self.trainer.close()  # closes ck_sync and the default group
+
+
+@dataclasses.dataclass
+class Sizes:
+    """What the warmup learnt: the state's size, on each rank and on disk."""
+
+    full_b: int  # params + AdamW state, all ranks
+    shard_b: list  # each rank's share of it
+    dcp_disk: int  # rank 0: the DCP checkpoint's files
+    full_disk: int  # rank 0: the torch.save file
+
+
+def warmup(b: Bench) -> Sizes:
+    """Untimed: optimizer state exists, every code path ran once."""
     say("warmup ...")
     t0 = time.perf_counter()
-    train(2, None, ck_sync)
+    b.train(2, None, b.ck_sync)
     step_time = (time.perf_counter() - t0) / 2
-    local_b, full_b = local_and_full_bytes(state_tensors(model, opt))
+    local_b, full_b = local_and_full_bytes(state_tensors(b.model, b.opt))
     shard_b = [int(x[0]) for x in gather([float(local_b)])]
-    dcp_save()
-    dcp_disk = du(tmp / "ckpt-sync") if rank0 else 0
-    clear(tmp / "ckpt-sync")
-    full_save()
-    full_disk = du(full_file) if rank0 else 0
-    clear(full_file)
-    trainer_save(ck_async)
-    wait_async()
-    clear(tmp / "ckpt-async")
+    b.dcp_save()
+    dcp_disk = du(b.tmp / "ckpt-sync") if b.rank0 else 0
+    clear(b.tmp / "ckpt-sync")
+    b.full_save()
+    full_disk = du(b.full_file) if b.rank0 else 0
+    clear(b.full_file)
+    b.trainer_save(b.ck_async)
+    b.wait_async()
+    clear(b.tmp / "ckpt-async")
     say(f"warmup done ({step_time:.2f} s/step incl. first-step costs); shard {shard_b[0] / MiB:.0f} MiB, "
         f"full {full_b / MiB:.0f} MiB")
+    return Sizes(full_b, shard_b, dcp_disk, full_disk)
 
-    # -- 1 + 2: save time and RSS, DCP vs full state dict -------------------------------------------
-    res: dict[str, list] = {k: [] for k in ("dcp", "full", "blk_sync", "blk_async", "loop_none", "loop_sync",
-                                            "loop_async")}
-    for r in range(args.repeats):
+
+def measure_saves(b: Bench, repeats: int, res: dict) -> None:
+    """1 + 2: save time and RSS, DCP vs full state dict."""
+    for r in range(repeats):
         for which in (("dcp", "full") if r % 2 == 0 else ("full", "dcp")):
             if which == "dcp":
-                w, mem = measure(dcp_save)
-                clear(tmp / "ckpt-sync")
+                w, mem = measure(b.dcp_save)
+                clear(b.tmp / "ckpt-sync")
             else:
-                w, mem = measure(full_save)
-                clear(full_file)
+                w, mem = measure(b.full_save)
+                clear(b.full_file)
             res[which].append((w[0], mem))
-            say(f"[{r + 1}/{args.repeats}] {which:>4} save {w[0]:6.2f} s, rank-0 RSS +{mem[0][0] / MiB:.0f} MiB "
+            say(f"[{r + 1}/{repeats}] {which:>4} save {w[0]:6.2f} s, rank-0 RSS +{mem[0][0] / MiB:.0f} MiB "
                 f"(VmHWM +{mem[0][1] / MiB:.0f})")
 
-    # -- 3a: how long trainer.save() blocks, async off vs on ---------------------------------------
-    for r in range(args.repeats):
+
+def measure_blocking(b: Bench, repeats: int, res: dict) -> None:
+    """3a: how long trainer.save() blocks, async off vs on."""
+    for r in range(repeats):
         for which in (("sync", "async") if r % 2 == 0 else ("async", "sync")):
             if which == "sync":
-                w, mem = measure(lambda: trainer_save(ck_sync))
-                clear(tmp / "ckpt-sync")
+                w, mem = measure(lambda: b.trainer_save(b.ck_sync))
+                clear(b.tmp / "ckpt-sync")
             else:
-                w, mem = measure(lambda: trainer_save(ck_async), wait_async)
-                clear(tmp / "ckpt-async")
+                w, mem = measure(lambda: b.trainer_save(b.ck_async), b.wait_async)
+                clear(b.tmp / "ckpt-async")
             res[f"blk_{which}"].append((w, mem))
             extra = f" + {w[1]:.2f} s until written" if which == "async" else ""
-            say(f"[{r + 1}/{args.repeats}] trainer.save() async={'on' if which == 'async' else 'off':>3}: "
+            say(f"[{r + 1}/{repeats}] trainer.save() async={'on' if which == 'async' else 'off':>3}: "
                 f"returns after {w[0]:6.2f} s{extra}, rank-0 RSS +{mem[0][0] / MiB:.0f} MiB")
 
-    # -- 3b: N training steps with a checkpoint in the middle -------------------------------------
-    half = args.steps // 2
-    variants = ["none", "sync", "async"]
-    for r in range(args.repeats):
-        order = variants[r % 3:] + variants[:r % 3]
+
+VARIANTS = ["none", "sync", "async"]
+
+
+def measure_loop(b: Bench, repeats: int, steps: int, res: dict) -> None:
+    """3b: N training steps with a checkpoint in the middle (none / async off / async on, order rotating)."""
+    half = steps // 2
+    for r in range(repeats):
+        order = VARIANTS[r % 3:] + VARIANTS[:r % 3]
         for which in order:
-            ck = ck_async if which == "async" else ck_sync
-            w, _ = measure(lambda: train(args.steps, None if which == "none" else half, ck))
-            clear(tmp / ("ckpt-async" if which == "async" else "ckpt-sync"))
+            ck = b.ck_async if which == "async" else b.ck_sync
+            w, _ = measure(lambda: b.train(steps, None if which == "none" else half, ck))
+            clear(b.tmp / ("ckpt-async" if which == "async" else "ckpt-sync"))
             res[f"loop_{which}"].append(w[0])
-            say(f"[{r + 1}/{args.repeats}] train() {args.steps} steps, save: {which:>5}: {w[0]:6.2f} s")
+            say(f"[{r + 1}/{repeats}] train() {steps} steps, save: {which:>5}: {w[0]:6.2f} s")
 
-    # -- report ------------------------------------------------------------------------------------
-    med = statistics.median
-    dcp_t, full_t = med(x[0] for x in res["dcp"]), med(x[0] for x in res["full"])
 
-    def mem_med(key: str, rk: int, i: int) -> float:
-        return med(x[1][rk][i] for x in res[key]) / MiB
+# -- report ----------------------------------------------------------------------------------------
 
-    blk_sync = med(x[0][0] for x in res["blk_sync"])
-    blk_async = med(x[0][0] for x in res["blk_async"])
-    async_write = med(x[0][1] for x in res["blk_async"])
-    loop = {v: med(res[f"loop_{v}"]) for v in variants}
-    # Paired: each repeat's save variant minus the same repeat's no-save run (load from elsewhere drifts).
-    delta = {v: med(a - b for a, b in zip(res[f"loop_{v}"], res["loop_none"])) for v in ("sync", "async")}
-    mc = trainer.model_cfg
-    others = range(1, world)
+class Figures:
+    """The medians over repeats the report prints."""
 
-    def mem_cells(key: str) -> str:
-        cells = f"{mem_med(key, 0, 0):>9.0f} {mem_med(key, 0, 1):>9.0f}"
-        if world > 1:
-            cells += f" {max(mem_med(key, k, 0) for k in others):>9.0f}"
+    def __init__(self, res: dict, world: int) -> None:
+        med = statistics.median
+        self.res, self.world = res, world
+        self.dcp_t, self.full_t = med(x[0] for x in res["dcp"]), med(x[0] for x in res["full"])
+        self.blk_sync = med(x[0][0] for x in res["blk_sync"])
+        self.blk_async = med(x[0][0] for x in res["blk_async"])
+        self.async_write = med(x[0][1] for x in res["blk_async"])
+        self.loop = {v: med(res[f"loop_{v}"]) for v in VARIANTS}
+        # Paired: each repeat's save variant minus the same repeat's no-save run (load from elsewhere drifts).
+        self.delta = {v: med(a - b for a, b in zip(res[f"loop_{v}"], res["loop_none"])) for v in ("sync", "async")}
+
+    def mem_med(self, key: str, rk: int, i: int) -> float:
+        return statistics.median(x[1][rk][i] for x in self.res[key]) / MiB
+
+    def mem_cells(self, key: str) -> str:
+        cells = f"{self.mem_med(key, 0, 0):>9.0f} {self.mem_med(key, 0, 1):>9.0f}"
+        if self.world > 1:
+            cells += f" {max(self.mem_med(key, k, 0) for k in range(1, self.world)):>9.0f}"
         return cells
 
-    lines = [
+
+def header_lines(b: Bench, args, z: Sizes) -> list[str]:
+    """The setup: machine, model, state sizes, how it was measured."""
+    mc, cfg, world = b.trainer.model_cfg, b.cfg, dist.get_world_size()
+    return [
         f"shardlm checkpoint benchmark: {world} ranks, gloo on cpu ({platform.processor() or platform.machine()}, "
         f"{os.cpu_count()} cores), {torch.get_num_threads()} thread/rank, torch {torch.__version__}, "
-        f"checkpoints on {tmp.parent} (temp dir)",
+        f"checkpoints on {b.tmp.parent} (temp dir)",
         f"model debug preset + {' '.join(a[2:] for a in MODEL[1:])}: {mc.num_params() / 1e6:.2f}M params, fp32; "
-        f"seq_len {cfg.data.seq_len} x micro_batch {cfg.train.micro_batch_size} x dp {trainer.dims.dp}",
-        f"state = params + 2 AdamW moments (+ step): full {full_b / MiB:.0f} MiB, rank-0 shard "
-        f"{shard_b[0] / MiB:.0f} MiB (ranks: {', '.join(f'{b / MiB:.0f}' for b in shard_b)} MiB); on disk: "
-        f"DCP {dcp_disk / MiB:.0f} MiB (all ranks' files), full torch.save {full_disk / MiB:.0f} MiB",
+        f"seq_len {cfg.data.seq_len} x micro_batch {cfg.train.micro_batch_size} x dp {b.trainer.dims.dp}",
+        f"state = params + 2 AdamW moments (+ step): full {z.full_b / MiB:.0f} MiB, rank-0 shard "
+        f"{z.shard_b[0] / MiB:.0f} MiB (ranks: {', '.join(f'{x / MiB:.0f}' for x in z.shard_b)} MiB); on disk: "
+        f"DCP {z.dcp_disk / MiB:.0f} MiB (all ranks' files), full torch.save {z.full_disk / MiB:.0f} MiB",
         f"{args.repeats} repeats of each measurement, order alternating; medians. Times: the slowest rank's, from a "
         "common barrier. RSS added: peak minus RSS just before (sampled every 5 ms from a thread; VmHWM = the "
         "kernel's peak since a clear_refs reset), MiB; r1+ = the highest of the other ranks.",
         "",
+    ]
+
+
+def table_lines(f: Figures, args, z: Sizes) -> list[str]:
+    """Tables 1+2, 3a, 3b and every repeat's figures."""
+    half = args.steps // 2
+    return [
         "1+2. save of model + optimizer (+ trainer state), blocking",
-        f"  {'':<44} {'time s':>7} {'r0 RSS+':>9} {'r0 VmHWM+':>9}" + (f" {'r1+ RSS+':>9}" if world > 1 else ""),
-        f"  {'DCP Checkpointer.save (sharded, fsync)':<44} {dcp_t:>7.2f} {mem_cells('dcp')}",
-        f"  {'full state dict -> rank-0 torch.save (fsync)':<44} {full_t:>7.2f} {mem_cells('full')}",
-        f"  {'DCP async save (staging + write, for ref.)':<44} {blk_async + async_write:>7.2f} {mem_cells('blk_async')}",
-        f"  {'reference: rank-0 shard / full state':<44} {'':>7} {shard_b[0] / MiB:>9.0f} {full_b / MiB:>9.0f}",
+        f"  {'':<44} {'time s':>7} {'r0 RSS+':>9} {'r0 VmHWM+':>9}" + (f" {'r1+ RSS+':>9}" if f.world > 1 else ""),
+        f"  {'DCP Checkpointer.save (sharded, fsync)':<44} {f.dcp_t:>7.2f} {f.mem_cells('dcp')}",
+        f"  {'full state dict -> rank-0 torch.save (fsync)':<44} {f.full_t:>7.2f} {f.mem_cells('full')}",
+        f"  {'DCP async save (staging + write, for ref.)':<44} {f.blk_async + f.async_write:>7.2f} "
+        f"{f.mem_cells('blk_async')}",
+        f"  {'reference: rank-0 shard / full state':<44} {'':>7} {z.shard_b[0] / MiB:>9.0f} {z.full_b / MiB:>9.0f}",
         "",
         "3a. training blocked by trainer.save()",
-        f"  {'async off: returns after (whole DCP save)':<44} {blk_sync:>7.2f} s",
-        f"  {'async on:  returns after (staging copy)':<44} {blk_async:>7.2f} s",
-        f"  {'async on:  write done later (wait() at once)':<44} {async_write:>7.2f} s",
+        f"  {'async off: returns after (whole DCP save)':<44} {f.blk_sync:>7.2f} s",
+        f"  {'async on:  returns after (staging copy)':<44} {f.blk_async:>7.2f} s",
+        f"  {'async on:  write done later (wait() at once)':<44} {f.async_write:>7.2f} s",
         "",
         f"3b. Trainer.train() for {args.steps} steps, checkpoint after step {half} (time includes it on disk)",
-        f"  {'no save':<44} {loop['none']:>7.2f} s",
-        f"  {'async off':<44} {loop['sync']:>7.2f} s  (paired, minus the same repeat's no-save run: "
-        f"{delta['sync']:+.2f} s)",
-        f"  {'async on':<44} {loop['async']:>7.2f} s  (paired, minus the same repeat's no-save run: "
-        f"{delta['async']:+.2f} s)",
+        f"  {'no save':<44} {f.loop['none']:>7.2f} s",
+        f"  {'async off':<44} {f.loop['sync']:>7.2f} s  (paired, minus the same repeat's no-save run: "
+        f"{f.delta['sync']:+.2f} s)",
+        f"  {'async on':<44} {f.loop['async']:>7.2f} s  (paired, minus the same repeat's no-save run: "
+        f"{f.delta['async']:+.2f} s)",
         "",
         "per repeat (s): " + "; ".join(
             f"{k} " + ", ".join(f"{(x[0] if k in ('dcp', 'full') else x[0][0] if k.startswith('blk') else x):.2f}"
-                                for x in v) for k, v in res.items()),
+                                for x in v) for k, v in f.res.items()),
         "",
-        f"save time: DCP {dcp_t:.2f} s vs full-state-dict torch.save {full_t:.2f} s ({full_t / dcp_t:.2f}x)",
-        f"rank-0 RSS added: DCP blocking +{mem_med('dcp', 0, 0):.0f} MiB, DCP async +{mem_med('blk_async', 0, 0):.0f} "
-        f"MiB, full state dict +{mem_med('full', 0, 0):.0f} MiB (rank-0 shard {shard_b[0] / MiB:.0f} MiB, "
-        f"full {full_b / MiB:.0f} MiB)",
-        f"trainer.save() blocks the loop: async off {blk_sync:.2f} s, async on {blk_async:.2f} s "
-        f"({blk_sync / blk_async:.1f}x less; the write then takes {async_write:.2f} s more in the background)",
-        f"{args.steps} steps with a save: no save {loop['none']:.2f} s, async off {loop['sync']:.2f} s "
-        f"({delta['sync']:+.2f} paired), async on {loop['async']:.2f} s ({delta['async']:+.2f} paired)",
     ]
-    if rank0:
-        report(lines, RESULT if args.save else None)
 
-    with contextlib.redirect_stdout(log):
-        ck_async.close()
-        trainer.checkpointer = ck_sync
-        trainer.close()  # closes ck_sync and the default group
-    log.close()
-    if rank0:
-        shutil.rmtree(tmp, ignore_errors=True)
+
+def summary_lines(f: Figures, args, z: Sizes) -> list[str]:
+    """The findings, one line each."""
+    shard, full = z.shard_b[0] / MiB, z.full_b / MiB
+    return [
+        f"save time: DCP {f.dcp_t:.2f} s vs full-state-dict torch.save {f.full_t:.2f} s ({f.full_t / f.dcp_t:.2f}x)",
+        f"rank-0 RSS added: DCP blocking +{f.mem_med('dcp', 0, 0):.0f} MiB, DCP async "
+        f"+{f.mem_med('blk_async', 0, 0):.0f} MiB, full state dict +{f.mem_med('full', 0, 0):.0f} MiB (rank-0 shard "
+        f"{shard:.0f} MiB, full {full:.0f} MiB)",
+        f"trainer.save() blocks the loop: async off {f.blk_sync:.2f} s, async on {f.blk_async:.2f} s "
+        f"({f.blk_sync / f.blk_async:.1f}x less; the write then takes {f.async_write:.2f} s more in the background)",
+        f"{args.steps} steps with a save: no save {f.loop['none']:.2f} s, async off {f.loop['sync']:.2f} s "
+        f"({f.delta['sync']:+.2f} paired), async on {f.loop['async']:.2f} s ({f.delta['async']:+.2f} paired)",
+    ]
 
 
 if __name__ == "__main__":

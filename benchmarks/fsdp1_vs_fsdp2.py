@@ -18,7 +18,7 @@ and step; rank r's batch k is the same for both), with the same initial weights 
          False, rank0_only=True), FullOptimStateDictConfig(offload_to_cpu=False, rank0_only=True))` (why not
          offload_to_cpu=True: see OFFLOAD below), `model.state_dict()` + `FSDP.optim_state_dict`, rank 0
          `torch.save`s {model, optim, step} to one file, flush + fsync, barrier.
-  FSDP2  `shardlm.trainer.build_model` (meta -> fully_shard per block, then the root -> to_empty -> init_weights
+  FSDP2  `shardlm.build.build_model` (meta -> fully_shard per block, then the root -> to_empty -> init_weights
          of each rank's shards), `shardlm.optim.build_optimizer`, `shardlm.parallel.fsdp.clip_grad_norm_`.
          Checkpoint: `shardlm.checkpoint.Checkpointer.save(blocking=True)` (DCP, one file per rank, fsynced,
          atomic rename by rank 0).
@@ -275,7 +275,8 @@ def first_line(e: BaseException) -> str:
 
 # -- benchmark -------------------------------------------------------------------------------------------
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
+    """The command line; with --malloc mmap (the default) also sets glibc's mmap threshold."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--repeats", type=int, default=2, help="builds of each variant, order alternating (default 2)")
     ap.add_argument("--steps", type=int, default=8, help=f"timed steps per build, after {WARMUP} warmup (default 8)")
@@ -288,106 +289,154 @@ def main() -> None:
     args = ap.parse_args()
     if args.repeats < 1 or args.steps < 1 or args.lora_steps < 1:
         ap.error("--repeats, --steps and --lora-steps must be >= 1")
-
     if args.malloc == "mmap":
         if LIBC is None or not LIBC.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD):
             ap.error("--malloc mmap needs glibc's mallopt; pass --malloc default")
+    return args
+
+
+def main() -> None:
+    args = parse_args()
     torch.set_num_threads(1)  # 2 ranks on 2 cores
     warnings.filterwarnings("ignore", message=r"FSDP.state_dict_type\(\) and FSDP.set_state_dict_type\(\) are being "
                             "deprecated", category=FutureWarning)
     dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    rank0 = rank == 0
+    rank0 = dist.get_rank() == 0
     tmp = shared_tmpdir("shardlm-fsdp1v2-", "/tmp")
+    bench = Bench(dist.get_world_size())
+    data = batches(WARMUP + args.steps, bench.mc.vocab_size)
+    res = measure_training(bench, args, data, tmp)
+    lora = measure_lora(bench, data[:1 + args.lora_steps])
+    if rank0:
+        report(report_lines(bench, args, res, lora), RESULT if args.save else None)
+    dist.barrier()
+    shutdown_distributed()  # frees the gloo threads before interpreter shutdown
+    if rank0:
+        shutil.rmtree(tmp, ignore_errors=True)
 
-    cfg = load_config(None, CFG_ARGS)
-    mc = build_model_config(cfg, 257)  # the byte tokenizer's vocab; vocab_size 8192 covers it
-    # build_model_config keeps the preset's head_dim (debug: 128 // 4 = 32) when model.dim / model.n_heads are
-    # overridden (dataclasses.replace passes the __post_init__-filled value on); set dim // n_heads = 64 here.
-    mc = dataclasses.replace(mc, head_dim=mc.dim // mc.n_heads)
-    mesh = ParallelDims(1, -1, world).build_mesh("cpu")
-    data = batches(WARMUP + args.steps, mc.vocab_size)
 
-    def build(which: str, lora: bool = False, use_orig_params: bool = True) -> Setup:
+class Bench:
+    """The model shape both variants share, and the mesh FSDP2 shards over."""
+
+    def __init__(self, world: int) -> None:
+        self.world = world
+        self.cfg = load_config(None, CFG_ARGS)
+        mc = build_model_config(self.cfg, 257)  # the byte tokenizer's vocab; vocab_size 8192 covers it
+        # build_model_config keeps the preset's head_dim (debug: 128 // 4 = 32) when model.dim / model.n_heads are
+        # overridden (dataclasses.replace passes the __post_init__-filled value on); set dim // n_heads = 64 here.
+        self.mc = dataclasses.replace(mc, head_dim=mc.dim // mc.n_heads)
+        self.mesh = ParallelDims(1, -1, world).build_mesh("cpu")
+
+    def build(self, which: str, lora: bool = False, use_orig_params: bool = True) -> Setup:
         if which == "FSDP1":
-            return FSDP1Setup(cfg, mc, lora, use_orig_params)
-        return FSDP2Setup(cfg, mc, mesh, lora)
+            return FSDP1Setup(self.cfg, self.mc, lora, use_orig_params)
+        return FSDP2Setup(self.cfg, self.mc, self.mesh, lora)
 
-    # -- full training: build, steps, checkpoint; each variant built afresh per repeat ------------------
+
+def measure_training(bench: Bench, args, data, tmp: Path) -> dict[str, list[dict]]:
+    """Full training: build, steps, checkpoint; each variant built afresh per repeat, order alternating."""
     res: dict[str, list[dict]] = {v: [] for v in VARIANTS}
     for r in range(args.repeats):
         for which in (VARIANTS if r % 2 == 0 else VARIANTS[::-1]):
-            settle()
-            dist.barrier()
-            base = rss()
-            with PeakRSS() as m_build:
-                s = build(which)
-            settle()
-            dist.barrier()
-            with PeakRSS(base=base) as m_train:
-                times, loss = train_steps(s, data)
-            state_b = s.state_bytes()
-            step_t = medians(times[WARMUP:])
-            settle()
-            dist.barrier()
-            t0 = time.perf_counter()
-            with PeakRSS() as m_save:
-                path = s.save(tmp / which, WARMUP + args.steps)
-            save_t = slowest([time.perf_counter() - t0])[0]
-            disk = du(path) if rank0 else 0
-            clear(tmp / which)
-            mem = gather([m_build.added, m_build.hwm_added, m_train.added, m_train.hwm_added, m_save.added,
-                          m_save.hwm_added, float(state_b), float(base)])
-            res[which].append({**step_t, "loss": loss, "save": save_t,
-                               "mem": mem, "disk": disk})
+            out = train_and_save(bench, which, data, tmp, WARMUP + args.steps)
+            res[which].append(out)
+            mem, step_t, loss, save_t = out["mem"], out, out["loss"], out["save"]
             say(f"[{r + 1}/{args.repeats}] {which}: step {step_t['step']:.2f} s (median of "
                 f"{args.steps}), loss {loss:.5f}, train peak +{mem[0][2] / MiB:.0f} MiB (rank 0), save "
                 f"{save_t:.2f} s +{mem[0][4] / MiB:.0f} MiB (rank 0)")
-            del s
-            settle()
+    return res
 
-    # -- LoRA-style partial freezing -------------------------------------------------------------------
-    lora_data = data[:1 + args.lora_steps]
+
+def train_and_save(bench: Bench, which: str, data, tmp: Path, step: int) -> dict:
+    """One build of `which`: its phases' median times, last loss, save time, per-rank memory, bytes on disk."""
+    settle()
+    dist.barrier()
+    base = rss()
+    with PeakRSS() as m_build:
+        s = bench.build(which)
+    settle()
+    dist.barrier()
+    with PeakRSS(base=base) as m_train:
+        times, loss = train_steps(s, data)
+    state_b = s.state_bytes()
+    step_t = medians(times[WARMUP:])
+    settle()
+    dist.barrier()
+    t0 = time.perf_counter()
+    with PeakRSS() as m_save:
+        path = s.save(tmp / which, step)
+    save_t = slowest([time.perf_counter() - t0])[0]
+    disk = du(path) if dist.get_rank() == 0 else 0
+    clear(tmp / which)
+    mem = gather([m_build.added, m_build.hwm_added, m_train.added, m_train.hwm_added, m_save.added,
+                  m_save.hwm_added, float(state_b), float(base)])
+    del s
+    settle()
+    return {**step_t, "loss": loss, "save": save_t, "mem": mem, "disk": disk}
+
+
+LORA_VARIANTS = (("FSDP1 use_orig_params=False", "FSDP1", False), ("FSDP1 use_orig_params=True", "FSDP1", True),
+                 ("FSDP2", "FSDP2", True))
+
+
+def measure_lora(bench: Bench, data) -> dict[str, dict]:
+    """LoRA-style partial freezing, each way of wrapping once: runs or raises, its figures, its FSDP warnings."""
     lora: dict[str, dict] = {}
-    for name, which, orig in (("FSDP1 use_orig_params=False", "FSDP1", False),
-                              ("FSDP1 use_orig_params=True", "FSDP1", True), ("FSDP2", "FSDP2", True)):
-        settle()
-        dist.barrier()
-        base = rss()
-        out: dict = {"warnings": []}
-        s = None
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            try:
-                s = build(which, lora=True, use_orig_params=orig)
-                settle()
-                dist.barrier()
-                grads = []
-                with PeakRSS(base=base) as m:
-                    times, loss = train_steps(s, lora_data, on_backward=lambda: grads.append(s.grad_bytes()))
-                out.update(ok=True, **medians(times[1:]), loss=loss,
-                           mem=gather([m.added, m.hwm_added, float(max(grads)), float(s.trainable_bytes()),
-                                       float(s.state_bytes())]))
-            except Exception as e:  # every rank raises the same (the check runs before any collective)
-                out.update(ok=False, error=first_line(e))
-        seen: dict[str, list[str]] = {}  # message with the unit name generalised -> unit names
-        for w in caught:
-            line = str(w.message).strip().splitlines()[0] if str(w.message).strip() else ""
-            if "fsdp" in w.filename.lower():
-                m = re.match(r"(layers\.\d+) ", line)
-                key = line if m is None else "<unit>" + line[m.end(1):]
-                seen.setdefault(key, []).append(m.group(1) if m else "")
-        for key, units in seen.items():
-            text = key.replace("<unit>", units[0], 1)
-            more = f" (same for {', '.join(units[1:])})" if len(units) > 1 else ""
-            out["warnings"].append(f"{text}{more}")
+    for name, which, orig in LORA_VARIANTS:
+        out = lora_run(bench, which, orig, data)
         lora[name] = out
         say(f"LoRA, {name}: " + (f"runs, step {out['step']:.2f} s, loss {out['loss']:.5f}, grads after backward "
                                  f"{out['mem'][0][2] / MiB:.1f} MiB (rank 0)" if out["ok"] else out["error"]))
-        del s
-        settle()
+    return lora
 
-    # -- report ------------------------------------------------------------------------------------------
+
+def lora_run(bench: Bench, which: str, orig: bool, data) -> dict:
+    settle()
+    dist.barrier()
+    base = rss()
+    out: dict = {"warnings": []}
+    s = None
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            s = bench.build(which, lora=True, use_orig_params=orig)
+            settle()
+            dist.barrier()
+            grads = []
+            with PeakRSS(base=base) as m:
+                times, loss = train_steps(s, data, on_backward=lambda: grads.append(s.grad_bytes()))
+            out.update(ok=True, **medians(times[1:]), loss=loss,
+                       mem=gather([m.added, m.hwm_added, float(max(grads)), float(s.trainable_bytes()),
+                                   float(s.state_bytes())]))
+        except Exception as e:  # every rank raises the same (the check runs before any collective)
+            out.update(ok=False, error=first_line(e))
+    out["warnings"] = fsdp_warnings(caught)
+    s = None  # drop the model before settle() (not `del`: the on_backward lambda closes over s)
+    settle()
+    return out
+
+
+def fsdp_warnings(caught) -> list[str]:
+    """FSDP's warnings, one line each; the same message for several units once, naming them."""
+    seen: dict[str, list[str]] = {}  # message with the unit name generalised -> unit names
+    for w in caught:
+        line = str(w.message).strip().splitlines()[0] if str(w.message).strip() else ""
+        if "fsdp" in w.filename.lower():
+            m = re.match(r"(layers\.\d+) ", line)
+            key = line if m is None else "<unit>" + line[m.end(1):]
+            seen.setdefault(key, []).append(m.group(1) if m else "")
+    out = []
+    for key, units in seen.items():
+        text = key.replace("<unit>", units[0], 1)
+        more = f" (same for {', '.join(units[1:])})" if len(units) > 1 else ""
+        out.append(f"{text}{more}")
+    return out
+
+
+# -- report ------------------------------------------------------------------------------------------
+
+def training_rows(res: dict, world: int, args) -> list[tuple[str, dict]]:
+    """The table's rows of the full-training part: (metric, {variant: cell})."""
     med = statistics.median
 
     def per_rank(which: str, i: int) -> str:
@@ -396,7 +445,7 @@ def main() -> None:
     def cell(which: str, key: str, fmt: str) -> str:
         return format(med(x[key] for x in res[which]), fmt)
 
-    rows = [
+    return [
         ("build + wrap: peak RSS added, MiB (r0 / r1)", {v: per_rank(v, 0) for v in VARIANTS}),
         ("  (VmHWM)", {v: per_rank(v, 1) for v in VARIANTS}),
         ("local params + AdamW state, MiB (r0 / r1)", {v: per_rank(v, 6) for v in VARIANTS}),
@@ -412,6 +461,10 @@ def main() -> None:
         ("  (VmHWM)", {v: per_rank(v, 5) for v in VARIANTS}),
         ("checkpoint on disk, MiB", {v: format(med(x["disk"] for x in res[v]) / MiB, ".0f") for v in VARIANTS}),
     ]
+
+
+def lora_rows(lora: dict, world: int, args) -> list[tuple[str, dict]]:
+    """The table's rows of the LoRA part: FSDP1 use_orig_params=True vs FSDP2 ("raises" where it did)."""
     l_off, l_on, l_2 = (lora["FSDP1 use_orig_params=False"], lora["FSDP1 use_orig_params=True"], lora["FSDP2"])
 
     def lcell(o: dict, f) -> str:
@@ -420,7 +473,7 @@ def main() -> None:
     def lmem(o: dict, i: int, digits: int = 1) -> str:
         return " / ".join(f"{o['mem'][k][i] / MiB:.{digits}f}" for k in range(world))
 
-    rows += [
+    return [
         ("LoRA, FSDP1 use_orig_params=False", {"FSDP1": lcell(l_off, lambda o: "runs"), "FSDP2": "n/a (no flat params)"}),
         ("LoRA, FSDP1 use_orig_params=True / FSDP2", {"FSDP1": lcell(l_on, lambda o: "runs"),
                                                       "FSDP2": lcell(l_2, lambda o: "runs")}),
@@ -440,10 +493,13 @@ def main() -> None:
                                                                "FSDP2": lcell(l_2, lambda o: lmem(o, 0, 0))}),
         ("    (VmHWM)", {"FSDP1": lcell(l_on, lambda o: lmem(o, 1, 0)), "FSDP2": lcell(l_2, lambda o: lmem(o, 1, 0))}),
     ]
-    w0 = max(len(r[0]) for r in rows) + 2
-    w1 = max(max(len(c) for r in rows for c in r[1].values()), 12) + 2
-    base_rss = [med(x["mem"][k][7] for x in res["FSDP2"]) / MiB for k in range(world)]
-    lines = [
+
+
+def header_lines(bench: Bench, args, res: dict) -> list[str]:
+    """The setup: machine, model, the two variants, how it was measured."""
+    mc, world = bench.mc, bench.world
+    base_rss = [statistics.median(x["mem"][k][7] for x in res["FSDP2"]) / MiB for k in range(world)]
+    return [
         f"shardlm FSDP1 vs FSDP2 benchmark: {world} ranks, gloo on cpu ({platform.processor() or platform.machine()}, "
         f"{os.cpu_count()} cores, shared), {torch.get_num_threads()} thread/rank, torch {torch.__version__}",
         f"model debug preset + {' '.join(a[2:] for a in MODEL[1:])}: {mc.num_params() / 1e6:.2f}M params "
@@ -453,7 +509,7 @@ def main() -> None:
         "FSDP1 = FullyShardedDataParallel(ModuleWrapPolicy({Block}), use_orig_params=True, device_id=cpu), "
         f"full-state-dict checkpoint (rank0_only=True, offload_to_cpu={OFFLOAD}: True segfaults / aliases the "
         "AdamW moments on CPU, see the script) -> rank-0 torch.save + fsync;",
-        "FSDP2 = shardlm.trainer.build_model (fully_shard per block, then root) + build_optimizer, "
+        "FSDP2 = shardlm.build.build_model (fully_shard per block, then root) + build_optimizer, "
         "shardlm Checkpointer.save(blocking=True) (DCP, fsync).",
         f"step = forward + mean CE + backward + clip(1.0) + AdamW + zero_grad. {args.repeats} builds of each "
         f"variant, order alternating; {WARMUP} warmup + {args.steps} timed steps each; medians over builds. "
@@ -463,6 +519,16 @@ def main() -> None:
            "follows live memory (--malloc default: glibc's dynamic threshold, RSS also counts freed heap memory)."
            if args.malloc == "mmap" else "glibc default (dynamic mmap threshold: RSS also counts freed heap memory)."),
         "",
+    ]
+
+
+def report_lines(bench: Bench, args, res: dict, lora: dict) -> list[str]:
+    """The header, the table (training rows, then LoRA rows), each LoRA way's outcome, every build's times."""
+    rows = training_rows(res, bench.world, args) + lora_rows(lora, bench.world, args)
+    w0 = max(len(r[0]) for r in rows) + 2
+    w1 = max(max(len(c) for r in rows for c in r[1].values()), 12) + 2
+    lines = [
+        *header_lines(bench, args, res),
         f"{'metric':<{w0}}" + "".join(f"{v:>{w1}}" for v in VARIANTS),
         *(f"{name:<{w0}}" + "".join(f"{c[v]:>{w1}}" for v in VARIANTS) for name, c in rows),
         "",
@@ -472,17 +538,11 @@ def main() -> None:
     for name, o in lora.items():
         lines.append(f"  {name}: " + ("runs" if o["ok"] else f"raises {o['error']}"))
         lines += [f"    warning: {w}" for w in o["warnings"]]
-    lines += [
+    return lines + [
         "",
         "per build: " + "; ".join(f"{v} step " + ", ".join(f"{x['step']:.3f}" for x in res[v]) + " s, save "
                                   + ", ".join(f"{x['save']:.2f}" for x in res[v]) + " s" for v in VARIANTS),
     ]
-    if rank0:
-        report(lines, RESULT if args.save else None)
-    dist.barrier()
-    shutdown_distributed()  # frees the gloo threads before interpreter shutdown
-    if rank0:
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 if __name__ == "__main__":

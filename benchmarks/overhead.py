@@ -130,8 +130,8 @@ def prepare_shardlm(trainer: Trainer, base_cfg, steps: int) -> None:
     """Untimed set-up of the next Trainer.train() call: `steps` more steps, a fresh MetricsLogger
     (the previous call's finish() closed it). The scheduler keeps base_cfg.train (the full length)."""
     trainer.cfg = dataclasses.replace(base_cfg, train=dataclasses.replace(base_cfg.train, steps=trainer.step + steps))
-    trainer.metrics = MetricsLogger(trainer.output_dir, trainer.cfg.train.steps, trainer.is_rank0,
-                                    base_cfg.metrics.progress_bar, base_cfg.metrics.tensorboard)
+    trainer.report.open(MetricsLogger(trainer.output_dir, trainer.cfg.train.steps, trainer.is_rank0,
+                                      base_cfg.metrics.progress_bar, base_cfg.metrics.tensorboard), None)
 
 
 def timed(fn) -> tuple[float, float]:
@@ -191,7 +191,7 @@ def measure_guard(trainer: Trainer, base_cfg, steps: int, log) -> dict:
             "clip_ms": 1e3 * clip_s[0] / steps, "clip_share": clip_s[0] / wall}
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=60, help="timed steps per round and per loop (default 60)")
     ap.add_argument("--rounds", type=int, default=3, help="rounds of A and B, order alternating (default 3)")
@@ -203,7 +203,11 @@ def main() -> None:
     args = ap.parse_args()
     if min(args.steps, args.rounds, args.chunk) < 1 or args.warmup < 0:
         ap.error("--steps, --rounds and --chunk must be >= 1, --warmup >= 0")
+    return args
 
+
+def main() -> None:
+    args = parse_args()
     torch.set_num_threads(1)  # 2 ranks on 2 cores
     dist.init_process_group("gloo")  # the Trainer joins this group (init_distributed sees it initialised)
     rank0 = dist.get_rank() == 0
@@ -220,35 +224,51 @@ def main() -> None:
     log = open(tmp / f"trainer-rank{dist.get_rank()}.log", "w")
     trainer = Trainer(cfg)
     minimal = Minimal(trainer)
-    tokens = args.steps * trainer.loader.global_batch * cfg.data.seq_len
 
-    def shardlm(n: int) -> float:
+    def shardlm(n: int) -> tuple[float, float]:
         prepare_shardlm(trainer, cfg, n)
         with contextlib.redirect_stdout(log):
             return timed(trainer.train)
 
     shardlm(args.warmup)
     timed(lambda: minimal.run(args.warmup))
+    rows = run_rounds(args, shardlm, lambda n: timed(lambda: minimal.run(n)),
+                      args.steps * trainer.loader.global_batch * cfg.data.seq_len)
+    guard = measure_guard(trainer, cfg, args.chunk, log)
+    if rank0:
+        report(report_lines(args, trainer, cfg, rows, guard), RESULT if args.save else None)
 
-    # Each round: N steps of each loop, run as chunks of --chunk steps, A and B alternating
-    # chunk by chunk (A,B then B,A ...), so a burst of load from elsewhere hits both alike.
+    log.close()
+    dist.barrier()
+    if rank0:
+        shutil.rmtree(tmp, ignore_errors=True)
+    shutdown_distributed()  # frees the gloo threads before interpreter shutdown
+
+
+def run_rounds(args, shardlm, minimal, tokens: int) -> list[tuple]:
+    """Each round: N steps of each loop, run as chunks of --chunk steps, A and B alternating chunk by chunk
+    (A,B then B,A ...), so a burst of load from elsewhere hits both alike. -> per round (round, A tok/s,
+    B tok/s, A/B, A/B by CPU time)."""
     chunks = [min(args.chunk, args.steps - i) for i in range(0, args.steps, args.chunk)]
     rows, k = [], 0
     for r in range(args.rounds):
         wall, cpu = {"A": 0.0, "B": 0.0}, {"A": 0.0, "B": 0.0}
         for n in chunks:
             for which in ("AB" if k % 2 == 0 else "BA"):
-                w, c = shardlm(n) if which == "A" else timed(lambda: minimal.run(n))
+                w, c = shardlm(n) if which == "A" else minimal(n)
                 wall[which] += w
                 cpu[which] += c
             k += 1
         a, b = tokens / wall["A"], tokens / wall["B"]
         rows.append((r + 1, a, b, a / b, cpu["B"] / cpu["A"]))
-        if rank0:
+        if dist.get_rank() == 0:
             print(f"round {r + 1}/{args.rounds}: shardlm {a:,.0f} tok/s, minimal {b:,.0f} tok/s, "
                   f"ratio {a / b:.3f} (CPU-time ratio {cpu['B'] / cpu['A']:.3f})", flush=True)
+    return rows
 
-    guard = measure_guard(trainer, cfg, args.chunk, log)
+
+def report_lines(args, trainer: Trainer, cfg, rows: list[tuple], guard: dict) -> list[str]:
+    """The setup, one row per round and the medians, the overhead, the non-finite guard's cost."""
     mc = trainer.model_cfg
     med_a = statistics.median(r[1] for r in rows)
     med_b = statistics.median(r[2] for r in rows)
@@ -281,14 +301,7 @@ def main() -> None:
                  f"per step ({guard['by_op']}) = the token count + the grad norm, none of the guard's own (its flag "
                  f"rides on the norm's all-reduce); clip + flag + host read of the norm "
                  f"{guard['clip_ms']:.2f} ms/step = {guard['clip_share']:.1%} of the step")
-    if rank0:
-        report(lines, RESULT if args.save else None)
-
-    log.close()
-    dist.barrier()
-    if rank0:
-        shutil.rmtree(tmp, ignore_errors=True)
-    shutdown_distributed()  # frees the gloo threads before interpreter shutdown
+    return lines
 
 
 if __name__ == "__main__":

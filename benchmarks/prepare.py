@@ -282,25 +282,36 @@ def versions() -> str:
     return ", ".join(f"{n} {version(n)}" for n in ("torch", "tokenizers", "datasets", "pyarrow", "numpy"))
 
 
+CASES = [("shardlm", "bytes", 1), ("shardlm", "bytes", 2), ("shardlm", "bpe", 1), ("shardlm", "bpe", 2),
+         ("datasets", "bpe", 1), ("datasets", "bpe", 2)]
+SL = ("shardlm", "bpe", 1)  # the case whose first run the others' figures are read against
+
+
 def part1(args, tmp: Path, du, say) -> tuple[list[str], bool]:
+    """Offline tokenisation: the corpus, the BPE, the rounds; -> (report lines, whether every check held)."""
     corpus = tmp / "corpus"
     info = write_jsonl_corpus(corpus, int(args.mb * MB), args.files, args.doc_kb * 1000)
     say(f"corpus: {info['text_bytes'] / MB:.1f} MB of text, {info['documents']:,} documents, "
         f"{info['files']} files, {info['file_bytes'] / MB:.1f} MB as .jsonl")
     tok = run_child({"kind": "train_tokenizer", "corpus": str(corpus), "vocab": args.vocab,
                      "train_bytes": int(args.tok_train_mb * MB), "out": str(tmp / "tok")})
-    tok_json = str(tmp / "tok" / "tokenizer.json")
     say(f"BPE trained: {tok['vocab']:,} ids in {tok['wall']:.1f}s")
-
     share0 = (cpu_share(1), cpu_share(2))
+    res, digests = tokenise_rounds(args, tmp, corpus, str(tmp / "tok" / "tokenizer.json"), du, say)
+    share1 = (cpu_share(1), cpu_share(2))
+    checks, ok = part1_checks(res, digests)
+    return part1_header(args, info, tok, res, share0, share1) + part1_table(res) + checks, ok
+
+
+def tokenise_rounds(args, tmp: Path, corpus: Path, tok_json: str, du, say) -> tuple[dict, dict]:
+    """Every case once a round, the order rotated by one each round. -> (per case: each run's figures, per
+    tokenizer: (case, the store's file digests) of each shardlm run)."""
     ds_env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp / "hf_home")}
-    cases = [("shardlm", "bytes", 1), ("shardlm", "bytes", 2), ("shardlm", "bpe", 1), ("shardlm", "bpe", 2),
-             ("datasets", "bpe", 1), ("datasets", "bpe", 2)]
-    res: dict[tuple, list[dict]] = {c: [] for c in cases}
+    res: dict[tuple, list[dict]] = {c: [] for c in CASES}
     digests: dict[str, list[tuple[tuple, dict]]] = {"bytes": [], "bpe": []}
     run_id = 0
     for r in range(args.rounds):
-        for c in cases[r % len(cases):] + cases[:r % len(cases)]:
+        for c in CASES[r % len(CASES):] + CASES[:r % len(CASES)]:
             lib, tk, n = c
             run_id += 1
             out = tmp / f"run{run_id}"
@@ -318,33 +329,36 @@ def part1(args, tmp: Path, du, say) -> tuple[list[str], bool]:
             res[c].append(got)
             say(f"[round {r + 1}/{args.rounds}] {name(c):<30} {got['wall']:6.2f} s wall, {got['cpu']:6.2f} CPU s, "
                 f"{got['tokens'] / got['wall']:>12,.0f} tokens/s")
+    return res, digests
 
-    share1 = (cpu_share(1), cpu_share(2))
-    med = {c: statistics.median(g["wall"] for g in res[c]) for c in cases}
 
-    def ratio(a: tuple, b: tuple) -> float:  # b's speed over a's: the median of the per-round wall(a) / wall(b)
-        return statistics.median(ga["wall"] / gb["wall"] for ga, gb in zip(res[a], res[b]))
-
-    first = {c: res[c][0] for c in cases}
-    sl = ("shardlm", "bpe", 1)
-    units, used = first[sl]["units"], {c: first[c].get("workers_used") for c in cases if c[0] == "shardlm"}
-    lines = [
+def part1_header(args, info: dict, tok: dict, res: dict, share0: tuple, share1: tuple) -> list[str]:
+    """What was tokenised, with which BPE, how many tokens, how much CPU the other jobs left."""
+    first = {c: res[c][0] for c in CASES}
+    return [
         f"1. offline tokenisation: {info['text_bytes'] / MB:.1f} MB of text (stdlib .py cut into {info['documents']:,} "
         f"documents of ~{args.doc_kb} KB) in {info['files']} .jsonl files ({info['file_bytes'] / MB:.1f} MB), "
-        f"--chunk-mb {args.chunk_mb} -> {units} units{cycled(info)}",
+        f"--chunk-mb {args.chunk_mb} -> {first[SL]['units']} units{cycled(info)}",
         f"   BPE: ByteLevel, {tok['vocab']:,} ids, trained with `tokenizers` on the first {args.tok_train_mb:g} MB "
         f"({tok['wall']:.1f} s, untimed); {args.rounds} round(s), case order rotated per round, median wall times",
         f"   tokens (ids + an EOS per document): bytes {first[('shardlm', 'bytes', 1)]['tokens']:,}, BPE "
-        f"{first[sl]['tokens']:,} ({info['text_bytes'] / (first[sl]['tokens'] - first[sl]['documents']):.2f} "
+        f"{first[SL]['tokens']:,} ({info['text_bytes'] / (first[SL]['tokens'] - first[SL]['documents']):.2f} "
         f"text bytes/id); datasets stores input_ids as {first[('datasets', 'bpe', 1)]['dtype']}",
         f"   CPU the other jobs left: 1 / 2 busy processes got {share0[0]:.2f} / {share0[1]:.2f} CPU-s per wall-s "
         f"before the rounds, {share1[0]:.2f} / {share1[1]:.2f} after (2.0 = both cores free)",
         "",
-        f"   {'case':<30} {'wall s':>7} {'CPU s':>6} {'CPU/wall':>8} {'tokens/s':>11} {'tokens/CPU-s':>12} "
-        f"{'docs/s':>7} {'out MB':>7} {'assembly s':>10}  walls by round",
     ]
-    for c in cases:
-        g, w = res[c], med[c]
+
+
+def part1_table(res: dict) -> list[str]:
+    """One row per case (medians, every round's wall time), then the speed ratios."""
+    def ratio(a: tuple, b: tuple) -> float:  # b's speed over a's: the median of the per-round wall(a) / wall(b)
+        return statistics.median(ga["wall"] / gb["wall"] for ga, gb in zip(res[a], res[b]))
+
+    lines = [f"   {'case':<30} {'wall s':>7} {'CPU s':>6} {'CPU/wall':>8} {'tokens/s':>11} {'tokens/CPU-s':>12} "
+             f"{'docs/s':>7} {'out MB':>7} {'assembly s':>10}  walls by round"]
+    for c in CASES:
+        g, w = res[c], statistics.median(x["wall"] for x in res[c])
         cpu = statistics.median(x["cpu"] for x in g)
         asm = f"{statistics.median(x['assembly'] for x in g):>10.2f}" if c[0] == "shardlm" else f"{'-':>10}"
         lines.append(f"   {name(c):<30} {w:>7.2f} {cpu:>6.1f} {cpu / w:>8.2f} {g[0]['tokens'] / w:>11,.0f} "
@@ -352,9 +366,9 @@ def part1(args, tmp: Path, du, say) -> tuple[list[str], bool]:
                      f"{asm}  " + " ".join(f"{x['wall']:.2f}" for x in g))
     lines.append("   (assembly: shardlm's serial concatenation of the parts + sha256 + fsync + manifest, inside the "
                  "wall time; out MB: the store, or datasets' cache dir: text Arrow file + input_ids Arrow files)")
-    sb1, sb2, sp1, sp2 = (("shardlm", "bytes", 1), ("shardlm", "bytes", 2), sl, ("shardlm", "bpe", 2))
+    sb1, sb2, sp1, sp2 = (("shardlm", "bytes", 1), ("shardlm", "bytes", 2), SL, ("shardlm", "bpe", 2))
     dp1, dp2 = ("datasets", "bpe", 1), ("datasets", "bpe", 2)
-    lines += [
+    return lines + [
         "",
         "   speed ratios (median of per-round ratios, >1 = faster):",
         f"     shardlm bytes  2 workers / 1 worker            {ratio(sb1, sb2):.2f}x",
@@ -363,17 +377,21 @@ def part1(args, tmp: Path, du, say) -> tuple[list[str], bool]:
         f"     shardlm 2 workers / datasets num_proc=2 (BPE)  {ratio(dp2, sp2):.2f}x",
         f"     shardlm 1 worker  / datasets num_proc=1 (BPE)  {ratio(dp1, sp1):.2f}x",
     ]
-    ok = True
-    parts = []
+
+
+def part1_checks(res: dict, digests: dict) -> tuple[list[str], bool]:
+    """Stores byte-identical whatever the workers; datasets' ids == shardlm's; the workers prepare used."""
+    ok, parts = True, []
     for tk, runs in digests.items():
         same = all(d == runs[0][1] for _, d in runs)
         ok &= same
         parts.append(f"{tk} {'yes' if same else 'NO'} ({len(runs)} stores: "
                      f"{', '.join(sorted({f'{c[2]} worker(s)' for c, _ in runs}))})")
-    lines.append(f"   stores byte-identical whatever the workers (every file): {'; '.join(parts)}")
-    same_ids = all(g["tokens_sha256"] == first[sl]["tokens_sha256"] for c in cases if c[1] == "bpe" for g in res[c])
+    lines = [f"   stores byte-identical whatever the workers (every file): {'; '.join(parts)}"]
+    same_ids = all(g["tokens_sha256"] == res[SL][0]["tokens_sha256"] for c in CASES if c[1] == "bpe" for g in res[c])
     lines.append(f"   datasets' ids (+ EOS per document, as uint16) == shardlm's BPE tokens.bin: "
                  f"{'yes' if same_ids else 'NO'}")
+    used = {c: res[c][0].get("workers_used") for c in CASES if c[0] == "shardlm"}
     if any(n != c[2] for c, n in used.items()):
         lines.append(f"   note: workers used by prepare: {', '.join(f'{name(c)}: {n}' for c, n in used.items())}")
     return lines, ok and same_ids

@@ -1,4 +1,4 @@
-"""THE model recipe. Trainer and planner (later eval and generate) build a model only through here.
+"""THE model recipe. Trainer, planner and inference (generate, eval) build a model only through here.
 
     meta -> LoRA / freeze (the frozen base stored as lora.base_dtype: bf16, fp32 or NF4) -> float8 linears
          -> activation checkpointing -> compile -> fully_shard -> materialise -> init or HF load
@@ -6,6 +6,7 @@
 `materialize` is the one step a caller may swap: the trainer allocates real storage and fills it
 (each rank only its shards: `init_weights` draws shard-invariant numbers, the HF load reads only
 the rows a rank owns); the planner allocates fake storage (FakeTensorMode) and fills nothing.
+Inference in one plain process passes no mesh: no fully_shard, the weights cast to the compute dtype.
 """
 
 from __future__ import annotations
@@ -16,13 +17,18 @@ from typing import Callable
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
+from shardlm.checkpoint.init import dcp_model_config, load_dcp_weights
 from shardlm.config import Config
 from shardlm.errors import ConfigError
+from shardlm.interop.hf.config import read_hf_config
+from shardlm.interop.hf.load import load_hf_weights
+from shardlm.lora import apply_lora, cast_frozen, is_lora_param, lora_layers
 from shardlm.models import ModelConfig, Transformer, get_preset
 from shardlm.parallel.ac import apply_ac
 from shardlm.parallel.compile import apply_compile
 from shardlm.parallel.fsdp import apply_fsdp, mp_policy, shard_view
 from shardlm.quant.fp8 import apply_fp8, check_fp8_hardware
+from shardlm.quant.nf4 import apply_nf4, check_shapes, is_nf4, nf4_nbytes, nf4_params, quantize_into
 from shardlm.resolve import base_dtype, frozen_dtype, uses_fp8_all_gather
 
 Materialize = Callable[[Transformer, Config, torch.device], None]
@@ -40,12 +46,8 @@ def build_model_config(cfg: Config, tokenizer_vocab: int, warn: Callable[[str], 
         raise ConfigError(f"model.{next(iter(overrides))} cannot change the shape of a model loaded with "
                           "model.init_from; drop the override")
     if cfg.model.hf_dir is not None:
-        from shardlm.interop.hf.config import read_hf_config
-
         base, _ = read_hf_config(cfg.model.hf_dir)
     elif cfg.model.dcp_dir is not None:
-        from shardlm.checkpoint.init import dcp_model_config
-
         base = dcp_model_config(cfg.model.dcp_dir)
     else:
         try:
@@ -82,31 +84,22 @@ def materialize_weights(model: Transformer, cfg: Config, device: torch.device) -
     if not cfg.model.init_from:
         _init_weights(model, cfg, device)  # LoRA adapters start here too (B = 0)
         return
-    from shardlm.lora import is_lora_param
-
     # The HF files / the checkpoint hold every base weight (the loaders error on any missing): draw only
     # the adapters, not 70B numbers that the load overwrites.
     model.init_weights(seed=cfg.train.seed, shard_view=shard_view, only=is_lora_param)
     if cfg.model.dcp_dir is not None:
-        from shardlm.checkpoint.init import load_dcp_weights
-
         load_dcp_weights(model, cfg.model.dcp_dir)
         return
-    from shardlm.interop.hf.load import load_hf_weights
-
     load_hf_weights(model, cfg.model.hf_dir)
 
 
 def _init_weights(model: Transformer, cfg: Config, device: torch.device) -> None:
     """`init_weights` on every parameter; an NF4 one is drawn (the same numbers) into a plain buffer of this
     rank's rows, then quantised (`quantize_into`)."""
-    from shardlm.quant.nf4 import nf4_params
-
     nf4 = nf4_params(model)
     model.init_weights(seed=cfg.train.seed, shard_view=shard_view, only=lambda n: n not in nf4)
     if not nf4:
         return
-    from shardlm.quant.nf4 import quantize_into
 
     def fill(name: str, p: torch.Tensor, shape: tuple[int, ...], row0: int) -> torch.Tensor:
         buf = torch.empty(shape, dtype=torch.float32, device=device)
@@ -124,17 +117,12 @@ def meta_model(cfg: Config, mc: ModelConfig, device_type: str = "cuda") -> Trans
     with torch.device("meta"):
         model = Transformer(mc)
     if lo.rank > 0:
-        from shardlm.lora import apply_lora, cast_frozen, lora_layers
-        from shardlm.quant.nf4 import is_nf4
-
         try:
             apply_lora(model, lo.rank, lo.alpha, lo.dropout, lo.targets, train_embeddings=lo.train_embeddings,
                        train_norms=lo.train_norms)
         except ValueError as e:
             raise ConfigError(f"lora.targets: {e}") from None
         if base_dtype(cfg, device_type) == "nf4":
-            from shardlm.quant.nf4 import apply_nf4
-
             apply_nf4(lora_layers(model))
         cast_frozen(model, frozen_dtype(cfg, device_type), keep=is_nf4)
     return model
@@ -144,8 +132,6 @@ def model_state_bytes(cfg: Config, mc: ModelConfig, device_type: str = "cuda") -
     """Bytes of model state over all ranks: fp32 weights + gradients + two AdamW moments (16 bytes; 12 with
     train.optimizer_state_dtype=bf16, ~10 with int8) per trained parameter, the frozen base as stored (lora.base_dtype: 4 bytes fp32, 2 bf16, ~0.52 NF4).
     What `parallel.dp_shard=auto` shares out."""
-    from shardlm.quant.nf4 import is_nf4, nf4_nbytes
-
     total = 0
     per_trained = 8 + {"fp32": 8, "bf16": 4, "int8": 2}[cfg.train.optimizer_state_dtype]  # + the two moments
     for p in meta_model(cfg, mc, device_type).parameters():
@@ -156,15 +142,14 @@ def model_state_bytes(cfg: Config, mc: ModelConfig, device_type: str = "cuda") -
     return total
 
 
-def build_model(cfg: Config, mc: ModelConfig, mesh: DeviceMesh, device: torch.device,
+def build_model(cfg: Config, mc: ModelConfig, mesh: DeviceMesh | None, device: torch.device,
                 materialize: Materialize = materialize_weights) -> Transformer:
-    """The model of `cfg`, sharded over `mesh`; no rank ever holds the whole model."""
+    """The model of `cfg`, sharded over `mesh`; no rank ever holds the whole model. `mesh=None`: one plain
+    process (inference outside torchrun): nothing is sharded and the parameters take the compute dtype that
+    FSDP's all-gather would give them (buffers stay fp32)."""
     t = cfg.train
     model = meta_model(cfg, mc, device.type)
-    if base_dtype(cfg, device.type) == "nf4":
-        from shardlm.lora import lora_layers
-        from shardlm.quant.nf4 import check_shapes
-
+    if mesh is not None and base_dtype(cfg, device.type) == "nf4":
         check_shapes(lora_layers(model), mesh.size(mesh.ndim - 1))  # the dp_shard dimension (last in an HSDP mesh)
     if t.mixed_precision == "fp8":
         check_fp8_hardware(device, t.fp8_emulate)
@@ -172,7 +157,12 @@ def build_model(cfg: Config, mc: ModelConfig, mesh: DeviceMesh, device: torch.de
     apply_ac(model, t.ac, every=t.ac_every)
     if t.compile:
         apply_compile(model, t.compile_backend)
-    apply_fsdp(model, mesh, mp_policy(t.precision(device.type), t.reduce_dtype), cfg.parallel.reshard_after_forward,
-               cpu_offload=t.cpu_offload, prefetch=cfg.parallel.prefetch)
+    policy = mp_policy(t.precision(device.type), t.reduce_dtype)
+    if mesh is not None:
+        apply_fsdp(model, mesh, policy, cfg.parallel.reshard_after_forward, cpu_offload=t.cpu_offload,
+                   prefetch=cfg.parallel.prefetch)
     materialize(model, cfg, device)
+    if mesh is None:
+        for p in model.parameters():
+            p.data = p.data.to(policy.param_dtype)
     return model

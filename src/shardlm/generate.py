@@ -40,6 +40,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from shardlm.data.chat import PlainTemplate
 from shardlm.errors import ConfigError
 
 Message = dict[str, str]
@@ -143,8 +144,6 @@ def encode_prompt(tokenizer, prompt: str | list[Message], template: Any = None) 
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
         return tokenizer.encode(template.render(messages, add_generation_prompt=True)) or [tokenizer.eos_id]
     if not isinstance(prompt, str):
-        from shardlm.data.sft import PlainTemplate
-
         segments = PlainTemplate(tokenizer.eos_id).segments(prompt) + [(PlainTemplate.HEADERS["assistant"], False)]
         return [i for s, _ in segments for i in ([s] if isinstance(s, int) else tokenizer.encode(s))]
     hf = getattr(tokenizer, "tok", None)  # a `tokenizers.Tokenizer`: its post-processor adds BOS where it has one

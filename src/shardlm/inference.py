@@ -30,6 +30,7 @@ config.json), and the chat template's end-of-turn tokens (`<|im_end|>`, `<|eot_i
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import os
 import warnings
@@ -38,16 +39,19 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
-from shardlm.build import build_model, build_model_config, materialize_weights, meta_model, model_state_bytes
+from shardlm.build import build_model, build_model_config, materialize_weights, model_state_bytes
 from shardlm.checkpoint.manager import SafeLoadPlanner, read_keys, saved_tensors
 from shardlm.checkpoint.meta import CheckpointMeta
 from shardlm.checkpoint.reader import SINGLE_PROCESS_WARNING
 from shardlm.config import Config, LoraSection
 from shardlm.data.tokenizer import Tokenizer, load_tokenizer
+from shardlm.distributed.env import device_type, shutdown_distributed
 from shardlm.errors import CheckpointError, ConfigError
 from shardlm.lora import lora_delta
 from shardlm.models.llama import ModelConfig, Transformer
+from shardlm.parallel.launch import plan_launch
 
 Pairs = dict[str, dict[str, str]]  # adapted module -> {"A": its lora_A name, "B": its lora_B name}
 
@@ -93,8 +97,6 @@ class Inference:
         """Drop the model and, when this call made it, the process group (`shutdown_distributed`)."""
         self.model = None  # type: ignore[assignment]
         if self.owns_process_group:
-            from shardlm.distributed.env import shutdown_distributed
-
             shutdown_distributed()
             self.owns_process_group = False
 
@@ -282,21 +284,13 @@ def load_for_inference(*, hf: str | os.PathLike | None = None, checkpoint: str |
 
 
 def _build(cfg: Config, mc: ModelConfig, materialize) -> tuple[Transformer, torch.device, int, int, bool]:
-    """(model, device, rank, world size, whether a process group was made here)."""
-    from shardlm.distributed.env import device_type, init_distributed, shutdown_distributed
-
+    """(model, device, rank, world size, whether a process group was made here); through build.build_model."""
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun: sharded, every rank its own shards
-        import torch.distributed as dist
-
-        from shardlm.parallel.dims import device_memory_bytes, launch_topology, resolve_dims
-
+        plan = plan_launch(cfg.parallel, cfg.train.device, functools.partial(model_state_bytes, cfg, mc))
         owns = not dist.is_initialized()
-        env = init_distributed(cfg.train.device, cfg.parallel.init_timeout_s)
+        env = plan.start()
         try:
-            topo = launch_topology()
-            dims, _ = resolve_dims(cfg.parallel, topo, lambda: model_state_bytes(cfg, mc, env.device.type),
-                                   device_memory_bytes(env.device.type, env.local_rank, topo.ranks_per_node))
-            model = build_model(cfg, mc, dims.build_mesh(env.device.type), env.device, materialize=materialize)
+            model = build_model(cfg, mc, plan.build_mesh(env), env.device, materialize=materialize)
         except BaseException:
             if owns:
                 shutdown_distributed()
@@ -304,12 +298,7 @@ def _build(cfg: Config, mc: ModelConfig, materialize) -> tuple[Transformer, torc
         return model, env.device, env.rank, env.world_size, owns
     kind = device_type(cfg.train.device)
     device = torch.device("cuda", torch.cuda.current_device()) if kind == "cuda" else torch.device("cpu")
-    model = meta_model(cfg, mc)
-    materialize(model, cfg, device)
-    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[cfg.train.precision(kind)]
-    for p in model.parameters():  # the compute dtype, as FSDP's all-gather would give (buffers stay fp32)
-        p.data = p.data.to(dtype)
-    return model, device, 0, 1, False
+    return build_model(cfg, mc, None, device, materialize=materialize), device, 0, 1, False
 
 
 __all__ = ["Inference", "load_for_inference", "load_merged_lora"]

@@ -17,10 +17,11 @@ import torch
 
 from shardlm.checkpoint.meta import CheckpointMeta
 from shardlm.config import Config
+from shardlm.data.sources import parse_sources
+from shardlm.data.store.format import MANIFEST, is_store, store_path
 from shardlm.distributed.env import device_type
-from shardlm.quant.fp8 import fp8_all_gather
-from shardlm.data.store import MANIFEST, is_store, store_path
 from shardlm.errors import CheckpointError
+from shardlm.quant.fp8 import fp8_all_gather
 
 
 def tokenizer_spec(cfg: Config) -> str:
@@ -42,7 +43,7 @@ def tokenizer_spec(cfg: Config) -> str:
 
 def _store_tokenizer(cfg: Config) -> str | None:
     """The tokenizer a token store in data.path (or the first source) was prepared with, if it is here."""
-    path = cfg.data.sources[0].path if cfg.data.sources else cfg.data.path
+    path = parse_sources(cfg.data)[0].path
     if not is_store(path):
         return None
     try:

@@ -1,5 +1,6 @@
 """The import graph of `src/shardlm`: no circles, counting every import (a function-local one too: an import
-moved into a function to dodge a circle still ties the two modules together)."""
+moved into a function to dodge a circle still ties the two modules together); no import from a higher layer; and no
+function-local import of a shardlm module without a `# lazy:` reason."""
 
 from __future__ import annotations
 
@@ -120,3 +121,81 @@ def test_the_layer_check_sees_an_import_from_a_higher_floor():
 
 def test_no_module_imports_from_a_higher_layer():
     assert upward_imports(import_graph()) == []
+
+
+# A function-local import of a shardlm module hides an edge of the import graph from a reader of the module's top,
+# so it is allowed only with a reason on its line: `# lazy: ...` -- the module needs an optional extra (pyproject's
+# extras: torchao, transformers, lm-eval, ...), or the import keeps torch (or another heavy import) out of a path
+# that must stay light (`shardlm --help` builds every command's parser; prepare's torch-free worker processes).
+LAZY_MARK = "# lazy:"
+
+# TODO(integrator): these files were being changed in other branches while the rule above came in; once those
+# branches are merged, give their function-local shardlm imports a `# lazy:` reason or move them to the top, and
+# empty this set: data/store/prepare.py (5 such imports), checkpoint/manager.py (5), eval/validation.py (3),
+# inference.py (12), bench/comm.py (10).
+NOT_YET_CLEANED = {"shardlm/data/store/prepare.py", "shardlm/checkpoint/manager.py", "shardlm/eval/validation.py",
+                   "shardlm/inference.py", "shardlm/bench/comm.py"}
+
+
+def _imports_shardlm(node: ast.Import | ast.ImportFrom) -> bool:
+    if isinstance(node, ast.ImportFrom):
+        names = [node.module or ""] if not node.level else ["shardlm"]  # a relative import stays in the package
+    else:
+        names = [a.name for a in node.names]
+    return any(n == "shardlm" or n.startswith("shardlm.") for n in names)
+
+
+def local_imports(path: Path) -> list[int]:
+    """The lines of `path`'s imports of shardlm modules that sit inside a function (any depth)."""
+    found: list[int] = []
+
+    def visit(node: ast.AST, in_function: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            if in_function and isinstance(child, (ast.Import, ast.ImportFrom)) and _imports_shardlm(child):
+                found.append(child.lineno)
+            visit(child, in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)))
+
+    visit(ast.parse(path.read_text(), str(path)), False)
+    return found
+
+
+def unmarked_local_imports(src: Path, skip: set[str] = frozenset()) -> list[str]:
+    """`file:line: source` of each function-local shardlm import without a `# lazy:` reason on its (first) line."""
+    bad = []
+    for path in sorted((src / "shardlm").rglob("*.py")):
+        rel = path.relative_to(src).as_posix()
+        if rel in skip:
+            continue
+        lines = path.read_text().splitlines()
+        bad += [f"{rel}:{n}: {lines[n - 1].strip()}" for n in local_imports(path) if LAZY_MARK not in lines[n - 1]]
+    return bad
+
+
+def test_the_lazy_check_sees_a_function_local_import_without_a_reason(tmp_path):
+    pkg = tmp_path / "shardlm"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text(
+        "from typing import TYPE_CHECKING\n"
+        "from shardlm.b import g\n"                      # module level: fine
+        "if TYPE_CHECKING:\n"
+        "    from shardlm.c import C\n"                  # module level (an annotation): fine
+        "def f():\n"
+        "    import json\n"                              # not shardlm: fine
+        "    from shardlm.b import h  # lazy: [hf] extra (transformers)\n"
+        "    from shardlm.c import k\n"                  # no reason: reported
+        "    class K:\n"
+        "        def m(self):\n"
+        "            from . import b\n"                  # relative, nested: reported
+        "            import shardlm.d as d  # lazy: keeps torch out of `shardlm --help`\n")
+    (pkg / "skipped.py").write_text("def f():\n    from shardlm import a\n")
+    assert unmarked_local_imports(tmp_path, skip={"shardlm/skipped.py"}) == [
+        "shardlm/a.py:8: from shardlm.c import k", "shardlm/a.py:11: from . import b"]
+    assert "shardlm/skipped.py:2: from shardlm import a" in unmarked_local_imports(tmp_path)
+
+
+def test_every_function_local_shardlm_import_says_why():
+    assert all((SRC / f).is_file() for f in NOT_YET_CLEANED), "NOT_YET_CLEANED names a file that is gone"
+    bad = unmarked_local_imports(SRC, NOT_YET_CLEANED)
+    assert bad == [], ("move these imports to the module top, or end the line with `# lazy: <the extra it needs, or "
+                       "the heavy import it keeps out of a light path>`:\n" + "\n".join(bad))

@@ -19,6 +19,7 @@ overlap (an upper bound: FSDP2 prefetches all-gathers and reduce-scatters on sid
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import statistics
@@ -32,6 +33,7 @@ import torch.distributed as dist
 from shardlm.config import Config
 from shardlm.errors import ConfigError
 from shardlm.models.llama import OutputHead
+from shardlm.parallel.launch import plan_launch
 
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce")
 MIB = 2**20
@@ -282,23 +284,13 @@ def achieved_flops(device: torch.device, dtype: torch.dtype) -> tuple[float, str
     return 2 * n**3 / statistics.median(times[1:]), f"timed {n}x{n} {str(dtype).removeprefix('torch.')} matmul"
 
 
-def _resolve_dims(cfg: Config, mc: Any, device_type: str):
-    """(ParallelDims, why) as the trainer resolves them, `auto` degrees included."""
-    from shardlm.build import model_state_bytes
-    from shardlm.parallel.dims import device_memory_bytes, launch_topology, resolve_dims
-
-    topo = launch_topology()
-    return resolve_dims(cfg.parallel, topo, lambda: model_state_bytes(cfg, mc),
-                        device_memory_bytes(device_type, int(os.environ.get("LOCAL_RANK", "0")), topo.ranks_per_node))
-
-
 # -- the benchmark -------------------------------------------------------------------------------
 
 def run_comm_bench(cfg: Config, sizes: list[int] | None = None, max_size: int | None = None, iters: int | None = None,
                    warmup: int | None = None, flag_ratio: float = DEFAULT_FLAG_RATIO) -> dict[str, Any]:
     """Measure on every rank (joining or making the process group); returns the report (complete on rank 0)."""
-    from shardlm.build import build_model_config
-    from shardlm.distributed.env import device_type, init_distributed
+    from shardlm.build import build_model_config, model_state_bytes
+    from shardlm.distributed.env import device_type
 
     # Everything that can be wrong with the config fails here, before any collective.
     dev_type = device_type(cfg.train.device)
@@ -308,7 +300,8 @@ def run_comm_bench(cfg: Config, sizes: list[int] | None = None, max_size: int | 
     if iters < 1 or warmup < 0:
         raise ConfigError(f"--iters must be >= 1 and --warmup >= 0, got {iters} and {warmup}")
     mc = build_model_config(cfg, 0)  # vocab 0: no tokenizer needed
-    pdims, reason = _resolve_dims(cfg, mc, dev_type)
+    plan = plan_launch(cfg.parallel, cfg.train.device, functools.partial(model_state_bytes, cfg, mc))
+    pdims, reason = plan.dims, plan.reason
     mb, param_dtype, reduce_dtype = model_bytes(cfg, mc, dev_type)
     notes = []
     if sizes is None:
@@ -320,12 +313,12 @@ def run_comm_bench(cfg: Config, sizes: list[int] | None = None, max_size: int | 
     if not cuda and local > (os.cpu_count() or 1):
         notes.append(f"{local} ranks share {os.cpu_count()} CPU cores here: the times include waiting for a core")
 
-    env = init_distributed(cfg.train.device, cfg.parallel.init_timeout_s)
+    env = plan.start()
     fsdp = {"all_gather": ("fsdp: one block's params", mb.block_gather_bytes, param_dtype),
             "reduce_scatter": ("fsdp: one block's grads", mb.block_reduce_bytes, reduce_dtype),
             "all_reduce": (f"fsdp: one block's grad shard (/{pdims.dp_shard})",
                            mb.block_reduce_bytes // pdims.dp_shard, reduce_dtype)}
-    rows, dims = measure_mesh(pdims.build_mesh(env.device.type), fsdp, sizes, env.device, iters, warmup)
+    rows, dims = measure_mesh(plan.build_mesh(env), fsdp, sizes, env.device, iters, warmup)
     notes += [f"{d['name']}: 1 rank per group, nothing to measure (skipped)" for d in dims if d["skipped"]]
     largest = busbw_at_largest(rows)
     flags = [_flag_line(slow, best, frac, largest, flag_ratio)

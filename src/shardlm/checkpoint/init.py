@@ -18,8 +18,11 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
 from shardlm.checkpoint.manager import SafeLoadPlanner, read_keys
+from shardlm.checkpoint.meta import CheckpointMeta
 from shardlm.errors import CheckpointError
+from shardlm.lora import is_lora_param
 from shardlm.models.llama import ModelConfig
+from shardlm.quant.nf4 import local_shape, nf4_params, quantize_into
 
 DCP_PREFIX = "dcp:"
 _MODEL = "model."
@@ -27,8 +30,6 @@ _MODEL = "model."
 
 def dcp_model_config(path: Path) -> ModelConfig:
     """The shape recorded in a DCP checkpoint; CheckpointError when it is not a complete checkpoint with one."""
-    from shardlm.checkpoint.meta import CheckpointMeta
-
     if not path.exists():
         raise CheckpointError(f"model.init_from=dcp:{path}: no such folder; pass a step-N checkpoint or the output "
                               "of `shardlm convert hf-to-dcp`")
@@ -38,8 +39,6 @@ def dcp_model_config(path: Path) -> ModelConfig:
 
 def load_dcp_weights(model: nn.Module, path: Path) -> None:
     """Fill the (sharded) model's non-LoRA weights from `path`'s `model.*` tensors, in place."""
-    from shardlm.lora import is_lora_param
-
     stored = {k[len(_MODEL):] for k in read_keys(path) if k.startswith(_MODEL)}
     state = get_model_state_dict(model)
     adapters = sorted(k for k in stored if is_lora_param(k))
@@ -53,24 +52,18 @@ def load_dcp_weights(model: nn.Module, path: Path) -> None:
         raise CheckpointError(f"model.init_from=dcp:{path} lacks {len(missing)} weight(s) this model needs "
                               f"({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''}); pass a checkpoint "
                               "of the same model")
-    from shardlm.quant.nf4 import nf4_params
-
     nf4 = nf4_params(model)  # QLoRA base: read into bf16 buffers of this rank's rows, then quantised
     plain = {k: _bf16_like(p) for k, (_, _, p) in nf4.items()}
     rest = {k: v for k, v in wanted.items() if k not in nf4}
     dcp.load({"model": {**rest, **plain}}, checkpoint_id=str(path), planner=SafeLoadPlanner())
     set_model_state_dict(model, rest, options=StateDictOptions(strict=False))
     if nf4:
-        from shardlm.quant.nf4 import quantize_into
-
         quantize_into(model, lambda name, *_: _local(plain[name]), next(iter(plain.values())).device)
 
 
 def _bf16_like(p: torch.Tensor) -> torch.Tensor:
     """A bf16 tensor sharded as `p` (a DTensor) or shaped as it, for DCP to read into."""
     from torch.distributed.tensor import DTensor
-
-    from shardlm.quant.nf4 import local_shape
 
     local = torch.empty(local_shape(p)[0], dtype=torch.bfloat16, device=p.device)
     if not isinstance(p, DTensor):

@@ -44,6 +44,7 @@ from shardlm._torch_compat import set_element
 from shardlm.checkpoint import lineage
 from shardlm.checkpoint.layout import METADATA, complete_checkpoints, step_of  # noqa: F401  (also imported from here)
 from shardlm.checkpoint.lineage import Record, RunFacts
+from shardlm.data.tokenizer import TokenizerRef
 from shardlm.errors import CheckpointError, ConfigError, DataError
 from shardlm.fsutil import swap_in
 
@@ -241,8 +242,10 @@ class Checkpointer:
         changes = resume_changes(saved, self.meta)
         rec, tok = Record.read(path), self.facts.tokenizer
         old_tok = rec.facts.tokenizer if rec is not None else None
-        if old_tok is not None and tok and old_tok.get("sha256") != tok.get("sha256"):
-            changes["tokenizer"] = (old_tok.get("spec"), tok.get("spec"))
+        if old_tok is not None and tok:
+            old, new = TokenizerRef.from_record(old_tok), TokenizerRef.from_record(tok)
+            if not old.same_as(new):
+                changes["tokenizer"] = (old.spec, new.spec)
         if (data := data_changes(rec.facts.data if rec is not None else None, self.facts.data)):
             changes["data"] = data  # another content: the saved data position would mean other samples
         allowed = set(self.cfg.allow_changed)

@@ -20,7 +20,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from shardlm.checkpoint.manager import SafeLoadPlanner, read_keys
 from shardlm.errors import CheckpointError
-from shardlm.quant.nf4 import NF4_KEY
+from shardlm.quant.nf4 import NF4_KEY, from_pieces
 
 SINGLE_PROCESS_WARNING = r".*torch\.distributed is disabled.*"  # dcp's no_dist notice, once per call
 _MODEL = "model."
@@ -97,8 +97,6 @@ class CheckpointReader:
         pieces = [p for n in names if n in self.nf4 for p in self.nf4[n].values()]
         got = self._read_stored(plain + pieces)
         if pieces:
-            from shardlm.quant.nf4 import from_pieces
-
             for n in names:
                 if n in self.nf4:
                     got[n] = from_pieces({k: got.pop(v) for k, v in self.nf4[n].items()})

@@ -3,6 +3,9 @@
 argparse does not know (`--section.key=value` config overrides, from `parse_known_args`) goes to
 `shardlm.config.load_config`, for the commands that take a config (`TAKES_OVERRIDES = True`).
 
+Building the parser imports every command module, so `shardlm --help` costs what their imports cost: a command
+imports the code that needs torch (or numpy, or an extra) inside `run`, marked `# lazy:`, and the rest at the top.
+
 Every user error (a `ShardlmError`, argparse usage errors included, as `ConfigError`) is one line
 `shardlm: error: ...` on stderr (rank 0) and in torchrun's error file, and the exit code is the
 error type's (`shardlm.errors`). Ctrl-C is one line `shardlm: interrupted ...` and exit 130.
@@ -19,6 +22,7 @@ import time
 from shardlm import __version__
 from shardlm.cli import bench, convert, debug_assets, env, generate, plan, plot, prepare, presets, train
 from shardlm.cli import eval as eval_
+from shardlm.disk import DISK_ERRNOS, from_oserror
 from shardlm.errors import EXIT_CODES, ConfigError, Interrupted, ShardlmError
 
 # name -> (module, one-line help), in the order `shardlm --help` lists them
@@ -127,8 +131,6 @@ def main(argv: list[str] | None = None) -> int:
         _report("shardlm: interrupted", launcher_prints=False)
         return Interrupted.exit_code
     except OSError as e:  # a full disk where no writer named it: still one line, naming the file's disk
-        from shardlm.disk import DISK_ERRNOS, from_oserror
-
         if e.errno not in DISK_ERRNOS:
             raise
         err = from_oserror(e)

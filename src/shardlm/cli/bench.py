@@ -7,6 +7,8 @@ import json
 import os
 from pathlib import Path
 
+from shardlm.config import load_config
+
 TAKES_OVERRIDES = True
 
 
@@ -37,9 +39,13 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace, overrides: list[str]) -> int:
-    from shardlm.bench.comm import DEFAULT_FLAG_RATIO, format_report, parse_size, run_comm_bench
-    from shardlm.config import load_config
-    from shardlm.distributed.env import shutdown_distributed
+    from shardlm.bench.comm import (  # lazy: keeps torch out of --help
+        DEFAULT_FLAG_RATIO,
+        format_report,
+        parse_size,
+        run_comm_bench,
+    )
+    from shardlm.distributed.env import shutdown_distributed  # lazy: keeps torch out of --help
 
     cfg = load_config(args.config, overrides)
     sizes = [parse_size(s) for s in args.sizes.split(",") if s.strip()] if args.sizes else None

@@ -25,13 +25,13 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 def run(a: argparse.Namespace, overrides: list[str]) -> int:
     if a.direction == "hf-to-dcp":
-        from shardlm.interop.hf.import_ import import_hf_to_dcp
+        from shardlm.interop.hf.import_ import import_hf_to_dcp  # lazy: keeps torch out of --help
 
         import_hf_to_dcp(a.hf_dir, a.out, dtype=a.dtype)
         print(f"wrote DCP checkpoint {a.out} (model only): start a run from it with "
               f"--model.init_from=dcp:{Path(a.out).resolve()}")
         return 0
-    from shardlm.interop.hf.export import export_checkpoint
+    from shardlm.interop.hf.export import export_checkpoint  # lazy: keeps torch out of --help
 
     info = export_checkpoint(a.checkpoint, a.out, merge_lora=a.merge_lora, adapter_only=a.adapter_only,
                              dtype=a.dtype, tokenizer_dir=a.tokenizer)

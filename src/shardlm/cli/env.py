@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import argparse
 
+from shardlm.distributed import check
+from shardlm.distributed.nccl import format_list, format_preset, resolve
+from shardlm.errors import ConfigError
+
 TAKES_OVERRIDES = False
 
 
@@ -22,13 +26,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace, overrides: list[str]) -> int:
-    from shardlm.errors import ConfigError
-
     if args.list or args.preset is not None:
         if args.json:
             raise ConfigError("env: --json goes with --check, not --list/--preset; see `shardlm env --help`")
-        from shardlm.distributed.nccl import format_list, format_preset, resolve
-
         if args.list:
             print(format_list())
         else:
@@ -37,8 +37,6 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
                 print(f"# {why}")
             print(format_preset(preset))
         return 0
-    from shardlm.distributed import check
-
     report = check.run_check()
     print(report.to_json() if args.json else report.format())
     return 1 if report.problems else 0

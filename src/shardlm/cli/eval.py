@@ -12,6 +12,9 @@ import urllib.request
 from pathlib import Path
 
 from shardlm.cli.generate import add_model_source
+from shardlm.config import load_config
+from shardlm.errors import ConfigError
+from shardlm.extras import quiet_imports, require
 
 TAKES_OVERRIDES = True
 
@@ -56,8 +59,6 @@ def _task_manager(tasks: list[str], include_path: str | None):
     import difflib
 
     from lm_eval.tasks import TaskManager
-
-    from shardlm.errors import ConfigError
 
     if include_path is not None and not Path(include_path).is_dir():
         raise ConfigError(f"--include-path {include_path}: not a folder")
@@ -151,8 +152,6 @@ def check_hub_data(manager, tasks: list[str], environ=os.environ) -> None:
     ConnectionError traceback. Cached and local-data tasks pass; the hub is asked only about what is not cached."""
     import datasets.config
 
-    from shardlm.errors import ConfigError
-
     cache, endpoint = str(datasets.config.HF_DATASETS_CACHE), datasets.config.HF_ENDPOINT
     missing = {t: d for t, d in hub_datasets(manager, tasks).items() if not dataset_cached(*d, cache)}
     if not missing:
@@ -172,10 +171,7 @@ def check_hub_data(manager, tasks: list[str], environ=os.environ) -> None:
 
 
 def run(args: argparse.Namespace, overrides: list[str]) -> int:
-    from shardlm.config import load_config
-    from shardlm.errors import ConfigError
-    from shardlm.extras import quiet_imports, require
-    from shardlm.inference import load_for_inference
+    from shardlm.inference import load_for_inference  # lazy: keeps torch out of --help
 
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
     if not tasks:
@@ -195,7 +191,7 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
     with quiet_imports():
         from lm_eval import evaluator, utils
 
-        from shardlm.eval.harness import ShardlmLM
+        from shardlm.eval.harness import ShardlmLM  # lazy: [eval] extra (lm-eval)
     cfg = load_config(None, overrides)
     if os.environ.get("RANK", "0") != "0":  # every rank evaluates in lockstep; rank 0 speaks
         os.environ["TQDM_DISABLE"] = "1"  # lm-eval's progress bars (it sees every rank as its rank 0)

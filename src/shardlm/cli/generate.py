@@ -9,6 +9,9 @@ import sys
 import time
 from pathlib import Path
 
+from shardlm.config import load_config
+from shardlm.errors import ConfigError, Interrupted
+
 TAKES_OVERRIDES = True
 
 
@@ -53,8 +56,6 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 def read_prompts(args: argparse.Namespace) -> list:
     """--prompt values, then the --prompts-file entries (strings, or message lists from .jsonl)."""
-    from shardlm.errors import ConfigError
-
     prompts: list = list(args.prompt)
     if args.prompts_file:
         path = Path(args.prompts_file)
@@ -112,10 +113,8 @@ class Printer:
 
 
 def run(args: argparse.Namespace, overrides: list[str]) -> int:
-    from shardlm.config import load_config
-    from shardlm.errors import ConfigError
-    from shardlm.generate import Sampling, check_context
-    from shardlm.inference import load_for_inference
+    from shardlm.generate import Sampling, check_context  # lazy: keeps torch out of --help
+    from shardlm.inference import load_for_inference  # lazy: keeps torch out of --help
 
     if args.max_new_tokens < 1 or args.batch_size < 1:
         raise ConfigError("--max-new-tokens and --batch-size must be >= 1")
@@ -146,8 +145,7 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
 def decode(inf, ids: list[list[int]], args: argparse.Namespace, sampling, streaming: bool) -> list | None:
     """The completions, one prompt's text streamed to stdout as it is made. Ctrl-C: Interrupted, with what was
     printed kept and its line ended; None when stdout's reader has gone (`| head`)."""
-    from shardlm.errors import Interrupted
-    from shardlm.generate import TextStream, generate_batch
+    from shardlm.generate import TextStream, generate_batch  # lazy: keeps torch out of --help
 
     printer = Printer(TextStream(inf.tokenizer, skip=inf.stop_ids) if streaming else None)
     try:

@@ -5,6 +5,9 @@ from __future__ import annotations
 import argparse
 import math
 
+from shardlm.config import load_config
+from shardlm.errors import PLAN_DOES_NOT_FIT, ConfigError
+
 TAKES_OVERRIDES = True
 
 
@@ -43,9 +46,7 @@ def _sizes(text: str) -> list[float]:
 
 
 def run(args: argparse.Namespace, overrides: list[str]) -> int:
-    from shardlm.config import load_config
-    from shardlm.errors import PLAN_DOES_NOT_FIT, ConfigError
-    from shardlm.plan import plan, plan_max
+    from shardlm.plan import plan, plan_max  # lazy: keeps torch out of --help
 
     cfg = load_config(args.config, overrides)
     opt = {} if args.headroom is None else {"headroom": args.headroom}

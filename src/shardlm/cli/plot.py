@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
+
+from shardlm.observe.plots import metrics_file, plot_runs
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -24,10 +27,6 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace, overrides: list[str]) -> int:
-    from pathlib import Path
-
-    from shardlm.observe.plots import metrics_file, plot_runs
-
     names = args.names.split(",") if args.names is not None else None
     out = args.out or metrics_file(args.runs[0]).parent / "plot.png"
     print(plot_runs(args.runs, Path(out), x=args.x, names=names, log_loss=args.log_loss))

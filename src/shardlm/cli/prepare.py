@@ -5,6 +5,10 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from shardlm.config import load_config
+from shardlm.data.sources import resolve_sources
+from shardlm.errors import ConfigError
+
 TAKES_OVERRIDES = True
 
 
@@ -38,13 +42,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace, overrides: list[str]) -> int:
-    from shardlm.config import load_config
-    from shardlm.data.sources import resolve_sources
-    from shardlm.data.store.format import TokenStore, is_store, store_path
-    from shardlm.data.store.prepare import PrepareSpec, prepare
-    from shardlm.data.tokenizer import load_tokenizer
-    from shardlm.errors import ConfigError
-    from shardlm.resolve import tokenizer_spec
+    from shardlm.data.store.format import TokenStore, is_store, store_path  # lazy: keeps numpy out of --help
+    from shardlm.data.store.prepare import PrepareSpec, prepare  # lazy: keeps numpy out of --help
+    from shardlm.data.tokenizer import load_tokenizer  # lazy: keeps numpy out of --help
+    from shardlm.resolve import tokenizer_spec  # lazy: keeps torch out of --help
 
     if args.verify:
         for path in args.paths:

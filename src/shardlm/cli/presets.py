@@ -10,7 +10,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace, overrides: list[str]) -> int:
-    from shardlm.models import PRESETS
+    from shardlm.models import PRESETS  # lazy: keeps torch out of --help
 
     for name, c in PRESETS.items():
         n = c.num_params()

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import argparse
 
+from shardlm.config import describe, load_config
+from shardlm.distributed.launcher import launch, options
+from shardlm.errors import ConfigError
+
 TAKES_OVERRIDES = True
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    from shardlm.config import describe
-
     p.usage = ("shardlm train [--config FILE] [--section.key=value ...] [--nproc-per-node N [--nnodes N|MIN:MAX "
                "--rdzv-endpoint HOST:PORT --rdzv-id ID] [--max-restarts K]]")
     p.epilog = "config keys (each one also a --section.key=value override):\n" + describe()
@@ -31,20 +33,14 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace, overrides: list[str]) -> int:
-    from shardlm.config import load_config
-
     cfg = load_config(args.config, overrides)  # a bad key or value: one line now, before any rank starts
     if args.nproc_per_node is None:
         if args.nnodes != "1" or args.rdzv_endpoint or args.rdzv_id or args.max_restarts:
-            from shardlm.errors import ConfigError
-
             raise ConfigError("--nnodes, --rdzv-endpoint, --rdzv-id and --max-restarts go with --nproc-per-node N "
                               "(or use torchrun's own flags)")
-        from shardlm.train.trainer import train
+        from shardlm.train.trainer import train  # lazy: keeps torch out of --help
 
         train(cfg)
         return 0
-    from shardlm.distributed.launcher import launch, options
-
     opts = options(args.nproc_per_node, args.nnodes, args.rdzv_endpoint, args.rdzv_id, args.max_restarts)
     return launch(opts, ["train", *(["--config", args.config] if args.config else []), *overrides])

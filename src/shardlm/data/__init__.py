@@ -1,8 +1,8 @@
 """Data: sources (one reader per format) -> token store (format, prepare, cache; memmap) -> packed windows (+ document masks) -> one source
 or a mixture -> per-dp-rank micro-batches in the global sample order.
 
-`open_stores(cfg, tokenizer)` (before the process group starts) then `build_loader(cfg, tokenizer,
-dp_rank, dp_size, stores=...)` builds the loader `data.format` names (text: PackedLoader or MixtureLoader;
+`open_stores(cfg.data, tokenizer)` (before the process group starts) then `build_loader(cfg.data, tokenizer,
+dp_rank, dp_size, micro_batch_size=, grad_accum=, seed=, stores=...)` builds the loader `data.format` names (text: PackedLoader or MixtureLoader;
 sft: SFTLoader).
 
 The names below are imported on first use: `shardlm prepare`'s worker processes import

@@ -17,10 +17,11 @@ from typing import Callable
 import numpy as np
 import torch
 
+from shardlm.config import DataSection, EvalSection
+from shardlm.data.chat import SHAPES, load_template
 from shardlm.data.mixture import MixtureOrder
 from shardlm.data.order import IGNORE_INDEX, RowLoader, SampleOrder
 from shardlm.data.packing import document_rows
-from shardlm.data.chat import SHAPES, load_template
 from shardlm.data.sft import SFTLoader, SFTSamples, sft_stats
 from shardlm.data.sources import parse_sources
 from shardlm.data.store.cache import default_cache_dir
@@ -83,11 +84,11 @@ class MixtureLoader(RowLoader):
 
 # -- text data: token stores --------------------------------------------------------------------------------
 
-def _open_store(cfg, path: str, tokenizer: Tokenizer, what: str = "data.path") -> TokenStore:
+def _open_store(data: DataSection, path: str, tokenizer: Tokenizer, what: str = "data.path") -> TokenStore:
     """A store named by the config: its kind must be data.format's, its tokenizer (and, for SFT, its chat
     template) the run's."""
     store = TokenStore.open(path)
-    fmt = cfg.data.format
+    fmt = data.format
     if store.kind != fmt:
         how = "`shardlm prepare ... --data.format sft`" if fmt == "sft" else "`shardlm prepare` (data.format=text)"
         raise ConfigError(f"{what} {path!r} is a token store of {store.kind} data but data.format={fmt}; "
@@ -98,19 +99,19 @@ def _open_store(cfg, path: str, tokenizer: Tokenizer, what: str = "data.path") -
     return store
 
 
-def open_stores(cfg, tokenizer: Tokenizer, log: Callable[[str], None] = print,
+def open_stores(data: DataSection, tokenizer: Tokenizer, log: Callable[[str], None] = print,
                 wait_log: Callable[[str], None] | None = None, tokenizer_spec: str | None = None) -> list[TokenStore]:
     """The token store of data.path (or of each source), text or SFT as data.format says: opened when it is
     one (its tokenizer, and chat template, must be the run's), else prepared from the raw files in
     data.cache_dir (`ensure_cached_store`). Call it before the process group starts: a long preparation then
     never trips a collective's timeout. `tokenizer_spec`: what a prepared store records as its tokenizer
     (the run's resolved data.tokenizer; default: the tokenizer's own file)."""
-    d = cfg.data
+    d = data
     cache = Path(d.cache_dir) if d.cache_dir else default_cache_dir()
     stores = []
     for path, _, _, text_field in parse_sources(d):
         if is_store(path):
-            store = _open_store(cfg, path, tokenizer)
+            store = _open_store(d, path, tokenizer)
             if d.format == "text" and store.manifest.get("text_field") != text_field and text_field != "text":
                 log(f"data: note: {store.path} was prepared from field {store.manifest.get('text_field')!r}; "
                     f"data.text_field={text_field!r} does not apply to a store")
@@ -129,16 +130,16 @@ def open_stores(cfg, tokenizer: Tokenizer, log: Callable[[str], None] = print,
     return stores
 
 
-def open_val_store(cfg, tokenizer: Tokenizer, log: Callable[[str], None] = print,
+def open_val_store(data: DataSection, eval_cfg: EvalSection, tokenizer: Tokenizer, log: Callable[[str], None] = print,
                    wait_log: Callable[[str], None] | None = None,
                    tokenizer_spec: str | None = None) -> TokenStore | None:
     """The validation store: data.val_path (a store, or files prepared into the cache like training's), else
-    the `val/` of the training store when data.path is one; None when there is none. `tokenizer_spec`: as
-    `open_stores`."""
-    d = cfg.data
+    the `val/` of the training store when data.path is one (and `eval_cfg` evaluates); None when there is
+    none. `tokenizer_spec`: as `open_stores`."""
+    d = data
     if d.val_path:
         if is_store(d.val_path):
-            store = _open_store(cfg, d.val_path, tokenizer, "data.val_path")
+            store = _open_store(d, d.val_path, tokenizer, "data.val_path")
             if d.verify and os.environ.get("LOCAL_RANK", "0") == "0":
                 store.verify()
             return store
@@ -146,18 +147,20 @@ def open_val_store(cfg, tokenizer: Tokenizer, log: Callable[[str], None] = print
         spec = files_spec(d.val_path, tokenizer, tokenizer_spec or tokenizer.spec, d.text_field, d.format)
         return ensure_cached_store(spec, cache, workers=d.prepare_workers, max_bad_fraction=d.max_bad_fraction,
                                    log=log, wait_log=wait_log)
-    if not (cfg.eval.interval or cfg.eval.at_end):
+    if not (eval_cfg.interval or eval_cfg.at_end):
         return None  # no evaluation: a store's val/ is not needed (nor checked)
     if not d.sources and is_store(d.path):
         return TokenStore.open(d.path).val()
     return None
 
 
-def mixture_val_stores(cfg, log: Callable[[str], None] = print) -> list[tuple[str, TokenStore]]:
+def mixture_val_stores(data: DataSection, eval_cfg: EvalSection,
+                       log: Callable[[str], None] = print) -> list[tuple[str, TokenStore]]:
     """A mixture without data.val_path: (name, val store) of each source that is a token store prepared with a
-    validation split (its own `val/`); a note names the sources without one. Empty when none has one."""
-    d = cfg.data
-    if not d.sources or d.val_path or not (cfg.eval.interval or cfg.eval.at_end):
+    validation split (its own `val/`); a note names the sources without one. Empty when none has one, or when
+    `eval_cfg` never evaluates."""
+    d = data
+    if not d.sources or d.val_path or not (eval_cfg.interval or eval_cfg.at_end):
         return []
     found, without = [], []
     for path, *_ in parse_sources(d):
@@ -170,11 +173,13 @@ def mixture_val_stores(cfg, log: Callable[[str], None] = print) -> list[tuple[st
     return found
 
 
-def build_text_loader(cfg, stores: list[TokenStore], dp_rank: int, dp_size: int,
+def build_text_loader(data: DataSection, stores: list[TokenStore], dp_rank: int, dp_size: int, *,
+                      micro_batch_size: int, grad_accum: int, seed: int,
                       log: Callable[[str], None] = print) -> RowLoader:
-    d, t = cfg.data, cfg.train
-    order = dict(micro_batch_size=t.micro_batch_size, grad_accum=t.grad_accum, dp_rank=dp_rank, dp_size=dp_size,
-                 seed=t.seed, shuffle=d.shuffle)
+    """The text loader over `stores` (one per source): a PackedLoader, or a MixtureLoader over [[data.sources]]."""
+    d = data
+    order = dict(micro_batch_size=micro_batch_size, grad_accum=grad_accum, dp_rank=dp_rank, dp_size=dp_size,
+                 seed=seed, shuffle=d.shuffle)
 
     def packed(store: TokenStore, **kw) -> PackedLoader:
         starts = np.asarray(store.starts[:-1]) if d.document_mask else None
@@ -192,7 +197,7 @@ def build_text_loader(cfg, stores: list[TokenStore], dp_rank: int, dp_size: int,
     mix = MixtureOrder(n_rows, [s.weight for s in sources], epochs=[s.epochs for s in sources], names=names,
                        **order)
     # each source's own order is unused (the mixture picks its rows); a 1-row stand-in keeps it tiny
-    dummy = SampleOrder(1, t.micro_batch_size, t.grad_accum, 0, 1)
+    dummy = SampleOrder(1, micro_batch_size, grad_accum, 0, 1)
     return MixtureLoader([packed(s, order=dummy) for s in stores], mix)
 
 
@@ -212,19 +217,21 @@ def data_stats(format: str, *, documents: int, samples: int, tokens: int, loss_t
             "template": template}
 
 
-def build_loader(cfg, tokenizer: Tokenizer, dp_rank: int, dp_size: int, log: Callable[[str], None] = print,
+def build_loader(data: DataSection, tokenizer: Tokenizer, dp_rank: int, dp_size: int, *, micro_batch_size: int,
+                 grad_accum: int, seed: int, log: Callable[[str], None] = print,
                  stores: list[TokenStore] | None = None) -> tuple[RowLoader, dict]:
-    """The loader `cfg.data.format` names, for this dp rank, and its stats (`data_stats`).
+    """The loader `data.format` names, for this dp rank, and its stats (`data_stats`). `micro_batch_size`,
+    `grad_accum`, `seed`: train's (rows per micro-batch, micro-batches per step, the order's seed).
 
     text: the token store(s) (`stores`, default `open_stores`) as a PackedLoader, or a MixtureLoader over
     [[data.sources]]; sft: an SFTLoader over the SFT store (samples rendered with the tokenizer's folder's chat
     template; it logs one line about them).
     """
-    d, t = cfg.data, cfg.train
-    stores = open_stores(cfg, tokenizer, log) if stores is None else stores
+    d = data
+    stores = open_stores(d, tokenizer, log) if stores is None else stores
     if d.format == "sft":
-        loader = SFTLoader(SFTSamples.from_store(stores[0]), d.seq_len, t.micro_batch_size, t.grad_accum, dp_rank,
-                           dp_size, t.seed, d.shuffle, d.pack, pad_id=tokenizer.eos_id, document_mask=d.document_mask)
+        loader = SFTLoader(SFTSamples.from_store(stores[0]), d.seq_len, micro_batch_size, grad_accum, dp_rank,
+                           dp_size, seed, d.shuffle, d.pack, pad_id=tokenizer.eos_id, document_mask=d.document_mask)
         s = sft_stats(loader, stores[0], stores[0].manifest["template"]["name"])
         log(f"sft data: {s['samples']} samples ({s['truncated']} truncated to data.seq_len, "
             f"{s['dropped']} dropped with no answer left), {s['loss_tokens']} loss tokens, "
@@ -232,7 +239,8 @@ def build_loader(cfg, tokenizer: Tokenizer, dp_rank: int, dp_size: int, log: Cal
         return loader, data_stats("sft", documents=s["records"], samples=s["samples"], tokens=s["tokens"],
                                   loss_tokens=s["loss_tokens"], rows=s["rows"], fill=s["fill"],
                                   truncated=s["truncated"], dropped=s["dropped"], template=s["template"])
-    loader = build_text_loader(cfg, stores, dp_rank, dp_size, log)
+    loader = build_text_loader(d, stores, dp_rank, dp_size, micro_batch_size=micro_batch_size, grad_accum=grad_accum,
+                               seed=seed, log=log)
     docs, tokens = sum(s.documents for s in stores), sum(s.n_tokens for s in stores)
     return loader, data_stats("text", documents=docs, samples=docs, tokens=tokens,
                               loss_tokens=loader.n_rows * d.seq_len, rows=loader.n_rows, fill=1.0)

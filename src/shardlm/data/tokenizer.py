@@ -50,6 +50,15 @@ class TokenizerRef:
                 return cls(canonical_spec(spec), "unreadable")
         return cls(canonical_spec(spec), hashlib.sha256(content).hexdigest())
 
+    @classmethod
+    def from_record(cls, record: dict) -> TokenizerRef:
+        """The ref a recorded `tokenizer` (checkpoint.json's, a manifest's) names, its spec as written."""
+        return cls(record.get("spec"), record.get("sha256"))
+
+    def same_as(self, other: TokenizerRef) -> bool:
+        """Whether both are one tokenizer: the same tokenizer.json content (where it lies may differ)."""
+        return self.sha256 == other.sha256
+
     @property
     def fingerprint(self) -> str:
         """"bytes-v1", or "hf-" + the first 16 hex digits of the sha256 (a store manifest's `fingerprint`)."""

@@ -42,6 +42,7 @@ from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 from tqdm import tqdm
 
+from shardlm.config import Config
 from shardlm.errors import ConfigError
 from shardlm.generate import Sampling, generate_batch
 from shardlm.inference import Inference, load_for_inference
@@ -97,8 +98,6 @@ class ShardlmLM(TemplateLM):
                  device: str | None = None, max_batch_size: int | None = None):
         super().__init__()
         if inference is None:
-            from shardlm.config import Config
-
             cfg = Config()
             if device is not None:
                 cfg.train.device = str(device).partition(":")[0]

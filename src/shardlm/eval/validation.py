@@ -18,6 +18,7 @@ are the same with and without it.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import time
@@ -28,7 +29,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from shardlm.data.order import IGNORE_INDEX, check_ids
+from shardlm.config import DataSection, EvalSection
+from shardlm.data.loader import PackedLoader
+from shardlm.data.order import IGNORE_INDEX, SampleOrder, check_ids
+from shardlm.data.sft import SFTLoader, SFTSamples
 from shardlm.errors import ConfigError, DataError
 
 
@@ -41,18 +45,16 @@ class Due:
 
 
 class Validator(Due):
-    """The fixed validation set of `store` for this rank, and `evaluate(model)` over it (a collective)."""
+    """The fixed validation set of `store` for this rank, and `evaluate(model)` over it (a collective).
+    `micro_batch_size`, `loss_chunk_tokens`: training's (eval.micro_batch_size = 0 takes its rows per forward)."""
 
-    def __init__(self, cfg, store, tokenizer, dp_rank: int, dp_size: int, device: torch.device):
-        from shardlm.data.loader import PackedLoader
-        from shardlm.data.order import SampleOrder
-        from shardlm.data.sft import SFTLoader, SFTSamples
-
-        d, e = cfg.data, cfg.eval
+    def __init__(self, data: DataSection, eval_cfg: EvalSection, store, tokenizer, dp_rank: int, dp_size: int,
+                 device: torch.device, *, micro_batch_size: int, loss_chunk_tokens: int):
+        d, e = data, eval_cfg
         self.eval_cfg = e
         self.device, self.dp_rank, self.dp_size, self.path = device, dp_rank, dp_size, store.path
-        self.mbs = e.micro_batch_size or cfg.train.micro_batch_size
-        self.loss_chunk_tokens = cfg.train.loss_chunk_tokens  # as training: never the full fp32 logits
+        self.mbs = e.micro_batch_size or micro_batch_size
+        self.loss_chunk_tokens = loss_chunk_tokens  # as training: never the full fp32 logits
         self.seq_len = L = d.seq_len
         one = SampleOrder(1, 1, 1, 0, 1)  # the loaders' own order is unused: rows are asked for by index
         if store.kind == "sft":
@@ -135,14 +137,13 @@ class MixtureValidation(Due):
     between them). val_loss is over every target token of all of them (sums, one all-reduce for all), and each
     source's own val_loss is in the record as `val_loss/<name>`."""
 
-    def __init__(self, cfg, stores: list, names: list[str], tokenizer, dp_rank: int, dp_size: int,
-                 device: torch.device):
-        import dataclasses
-
-        share = cfg.eval.max_tokens // len(stores) if cfg.eval.max_tokens else 0
-        each = dataclasses.replace(cfg, eval=dataclasses.replace(cfg.eval, max_tokens=share)) if share else cfg
-        self.parts = [Validator(each, s, tokenizer, dp_rank, dp_size, device) for s in stores]
-        self.eval_cfg = cfg.eval
+    def __init__(self, data: DataSection, eval_cfg: EvalSection, stores: list, names: list[str], tokenizer,
+                 dp_rank: int, dp_size: int, device: torch.device, *, micro_batch_size: int, loss_chunk_tokens: int):
+        share = eval_cfg.max_tokens // len(stores) if eval_cfg.max_tokens else 0
+        each = dataclasses.replace(eval_cfg, max_tokens=share) if share else eval_cfg
+        self.parts = [Validator(data, each, s, tokenizer, dp_rank, dp_size, device, micro_batch_size=micro_batch_size,
+                                loss_chunk_tokens=loss_chunk_tokens) for s in stores]
+        self.eval_cfg = eval_cfg
         self.names = names
         self.n_rows = sum(v.n_rows for v in self.parts)
 
@@ -162,27 +163,30 @@ class MixtureValidation(Due):
         return out
 
 
-def needs_validation(cfg, val_store, val_sources: list) -> None:
+def needs_validation(data: DataSection, eval_cfg: EvalSection, val_store, val_sources: list) -> None:
     """eval.interval without validation data is a ConfigError naming where the data can come from."""
-    e = cfg.eval
+    e = eval_cfg
     if val_store is None and not val_sources and e.interval:
         how = ("mix token stores prepared with --val-fraction / --val (each source's val/ is used)"
-               if cfg.data.sources else "train on a store prepared with --val-fraction / --val")
+               if data.sources else "train on a store prepared with --val-fraction / --val")
         raise ConfigError(f"eval.interval={e.interval} needs validation data: set data.val_path (a store or "
                           f"files), or {how}; or eval.interval=0")
 
 
-def build_validator(cfg, val_store, val_sources: list, tokenizer, dp_rank: int, dp_size: int,
-                    device: torch.device) -> Validator | MixtureValidation | None:
+def build_validator(data: DataSection, eval_cfg: EvalSection, val_store, val_sources: list, tokenizer,
+                    dp_rank: int, dp_size: int, device: torch.device, *, micro_batch_size: int,
+                    loss_chunk_tokens: int) -> Validator | MixtureValidation | None:
     """The run's validation: over `val_store`, or over each (name, store) of a mixture's `val_sources`; None
-    when the run never evaluates (eval.interval=0 and eval.at_end=false) or has nothing to evaluate on."""
-    if not (cfg.eval.interval or cfg.eval.at_end):
+    when the run never evaluates (eval.interval=0 and eval.at_end=false) or has nothing to evaluate on.
+    `micro_batch_size`, `loss_chunk_tokens`: training's (`Validator`)."""
+    if not (eval_cfg.interval or eval_cfg.at_end):
         return None
+    train = dict(micro_batch_size=micro_batch_size, loss_chunk_tokens=loss_chunk_tokens)
     if val_store is not None:
-        return Validator(cfg, val_store, tokenizer, dp_rank, dp_size, device)
+        return Validator(data, eval_cfg, val_store, tokenizer, dp_rank, dp_size, device, **train)
     if val_sources:
-        return MixtureValidation(cfg, [v for _, v in val_sources], [n for n, _ in val_sources], tokenizer, dp_rank,
-                                 dp_size, device)
+        return MixtureValidation(data, eval_cfg, [v for _, v in val_sources], [n for n, _ in val_sources], tokenizer,
+                                 dp_rank, dp_size, device, **train)
     return None
 
 

@@ -21,6 +21,7 @@ from torch.distributed.tensor import DTensor
 
 from shardlm._torch_compat import compute_local_shape_and_global_offset
 from shardlm.models.llama import OutputHead
+from shardlm.quant.nf4 import is_nf4
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 GIB = 2**30
@@ -118,8 +119,6 @@ def single_copy_params(model: nn.Module, world: int, mp: MixedPrecisionPolicy, c
     under bf16, everything under fp32) and NF4 ones run as they are; the rest (fp32 master weights under bf16)
     stay with FSDP, whose copy is then the bf16 cast every mixed-precision scheme makes. Nothing is left alone
     with CPU offload (FSDP moves what it manages) or on more than one rank."""
-    from shardlm.quant.nf4 import is_nf4
-
     if world != 1 or cpu_offload:
         return set()
     compute = mp.param_dtype

@@ -74,11 +74,12 @@ import time
 
 import torch.distributed as dist
 
-from shardlm.resolve import base_dtype
+from shardlm.build import meta_model, model_state_bytes
 from shardlm.config import Config
 from shardlm.errors import ConfigError, PlanError
+from shardlm.parallel.dims import ParallelDims, Topology, resolve_dims
+from shardlm.parallel.fsdp import AUTO_HEADROOM, block_param_bytes, mp_policy, single_copy_params, unsharded_blocks
 from shardlm.plan.attention import FLEX_NOTE
-from shardlm.parallel.dims import ParallelDims
 from shardlm.plan.attention import resolve as resolve_attention
 from shardlm.plan.device import device_terms
 from shardlm.plan.extrapolate import NotAffine, extrapolate_peak, extrapolate_segments, lerp, period_of, reduced_layers
@@ -88,6 +89,7 @@ from shardlm.plan.maxfit import KEYS, MaxReport, largest_fitting
 from shardlm.plan.report import DEFAULT_HEADROOM, GIB, Breakdown, PlanReport, Scenario
 from shardlm.plan.search import alternatives as search_alternatives
 from shardlm.plan.search import fitting_extras
+from shardlm.resolve import base_dtype
 
 
 def measure(cfg: Config, world_size: int, usable_bytes: int, name: str, overrides: dict | None = None,
@@ -133,9 +135,6 @@ def measure(cfg: Config, world_size: int, usable_bytes: int, name: str, override
 def resolve_auto(cfg: Config, mc, world_size: int, gpus_per_node: int, gpu_mem_gib: float) -> tuple[Config, str]:
     """`cfg` with parallel.dp_shard/dp_replicate=auto resolved as the trainer would on `world_size` ranks of
     `gpus_per_node` per node, and the reason (empty when nothing was auto)."""
-    from shardlm.build import model_state_bytes
-    from shardlm.parallel.dims import Topology, resolve_dims
-
     if "auto" not in (cfg.parallel.dp_shard, cfg.parallel.dp_replicate):
         return cfg, ""
     if world_size % gpus_per_node:
@@ -160,9 +159,6 @@ def auto_reshard_note(cfg: Config, mc, peak_bytes: int, gpu_mem_gib: float, worl
     """What parallel.reshard_after_forward=auto does on top of the plan: after step 2 a run keeps as many more
     of the last blocks unsharded as fit in what its peak left free, less `AUTO_HEADROOM` of the device
     (`parallel.fsdp.settle_auto_reshard`): the same rule applied to the planned peak. Empty when not auto."""
-    from shardlm.build import meta_model
-    from shardlm.parallel.fsdp import AUTO_HEADROOM, block_param_bytes, mp_policy, single_copy_params, unsharded_blocks
-
     if cfg.parallel.reshard_after_forward != "auto":
         return ""
     t = cfg.train

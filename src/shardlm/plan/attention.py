@@ -27,6 +27,8 @@ from typing import Iterator
 
 import torch
 
+from shardlm.models import llama
+
 CHOICES = ("auto", "flex", "sdpa-mask")
 DENSE = "SDPA with a dense (B, 1, T, T) mask"
 
@@ -120,8 +122,6 @@ def block_mask(mask_mod, B, H, Q_LEN: int, KV_LEN: int, device=None, BLOCK_SIZE:
 @contextmanager
 def planned(model: torch.nn.Module, backend: str) -> Iterator[None]:
     """Run `model`'s document masks with `backend`; flex through the stand-ins above."""
-    from shardlm.models import llama
-
     model.document_attention = backend
     if backend != "flex":
         yield

@@ -3,10 +3,7 @@
 from __future__ import annotations
 
 from shardlm.config import Config
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from shardlm.plan.fake_step import StepMemory
+from shardlm.plan.fake_step import StepMemory
 
 # -- fewer layers, same answer ---------------------------------------------------------------------
 #

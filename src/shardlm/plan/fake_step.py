@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from shardlm._torch_compat import FakeStore, FakeTensorMode
 from shardlm.build import build_model, build_model_config
 from shardlm.config import Config
 from shardlm.errors import ConfigError
@@ -28,7 +29,8 @@ from shardlm.plan.allocator import replay
 from shardlm.plan.device import cublas_workspaces
 from shardlm.plan.report import OFFLOADED, flat
 from shardlm.plan.tracker import PlanTracker, track_unmanaged
-from shardlm.train.optim import build_optimizer
+from shardlm.quant.nf4 import assign_empty
+from shardlm.train.optim import adopt_state_dtype, build_optimizer
 from shardlm.train.step import forward_backward
 
 _DEFAULT_PRESET = "debug"
@@ -107,8 +109,6 @@ def planned_config(cfg: Config) -> Config:
 def fake_materialize(mode):
     """build_model's materialisation for the planner: fake storage in `mode`, nothing filled."""
     def materialize(model, cfg: Config, device: torch.device) -> None:
-        from shardlm.quant.nf4 import assign_empty
-
         with mode:
             model.to_empty(device=device)
             assign_empty(model, device)  # NF4 shards (lora.base_dtype=nf4) of the sizes torchao stores
@@ -153,8 +153,6 @@ def warm_optimizer(optimizer, pairs) -> None:
     local shard gets the state of its DTensor parameter (`init_state`: int8 decides per whole parameter
     which moments are 8-bit, as the trainer does).
     """
-    from shardlm.train.optim import adopt_state_dtype
-
     low = adopt_state_dtype(optimizer)
     if low is not None:
         for p, lp in pairs:
@@ -206,8 +204,6 @@ def fake_step(cfg: Config, world_size: int, mc: ModelConfig | None = None, phase
               document_attention: str = "auto") -> StepMemory:
     """One fake training step of `cfg` on `world_size` ranks, every layer of its model (or of `mc`);
     document masks (data.document_mask) with `document_attention` (see `shardlm.plan.attention`)."""
-    from shardlm._torch_compat import FakeStore, FakeTensorMode
-
     dims = ParallelDims(cfg.parallel.dp_replicate, cfg.parallel.dp_shard, world_size)
     mc = mc if mc is not None else model_config(cfg)[0]
     run = planned_config(cfg)

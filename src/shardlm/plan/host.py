@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from shardlm.config import Config
+from shardlm.interop.hf.load import scan_hf_weights
 from shardlm.plan.report import Scenario, fmt_bytes
 
 ST_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2}
@@ -65,8 +66,6 @@ def hf_load_bytes(hf_dir: Path | None, shard: int) -> tuple[int, str]:
     touched) + its largest single slice; 0 when there are no files to read."""
     if hf_dir is None:
         return 0, ""
-    from shardlm.interop.hf.load import scan_hf_weights
-
     try:
         tensors = scan_hf_weights(hf_dir)
     except Exception:  # the planner plans a preset where the folder is absent: nothing to read

@@ -28,9 +28,11 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import nn
 
+from shardlm._torch_compat import dynamo_no_cache_limit
 from shardlm.checkpoint.lineage import RunFacts
 from shardlm.config import TrainSection
 from shardlm.errors import ConfigError
+from shardlm.extras import require
 
 INT8_BLOCK = 256  # torchao AdamW8bit's default: one fp32 scale per 256 values
 INT8_MIN_NUMEL = 4096  # torchao / bitsandbytes: smaller tensors keep fp32 moments
@@ -159,8 +161,6 @@ def _torchao_optim():
     from concurrent.futures import ThreadPoolExecutor
 
     def load():
-        from shardlm.extras import require
-
         mod = require("torchao.optim", "fp8", "train.optimizer_state_dtype=int8")
         from torchao.optim import subclass_8bit
 
@@ -259,8 +259,6 @@ def _compiled_single_param_adam():
         from torchao.optim.adam import single_param_adam
 
         compiled = torch.compile(single_param_adam, fullgraph=True, dynamic=False)
-        from shardlm._torch_compat import dynamo_no_cache_limit
-
         no_limit = dynamo_no_cache_limit()
 
         def run(*args):

@@ -26,12 +26,12 @@ from shardlm.checkpoint.lineage import current_lineage
 from shardlm.checkpoint.manager import remove_partials
 from shardlm.config import Config
 from shardlm.distributed.check import start_problems
-from shardlm.distributed.env import DistEnv, init_distributed, restart_store_warning, shutdown_distributed
+from shardlm.distributed.env import DistEnv, restart_store_warning, shutdown_distributed
 from shardlm.distributed.nccl import apply_env
 from shardlm.distributed.preflight import preflight
-from shardlm.distributed.watchdog import Watchdog, heartbeat_store, install_test_stall, launcher_of, set_timeouts
+from shardlm.distributed.watchdog import Watchdog, heartbeat_store, install_test_stall, launcher_of
 from shardlm.errors import ConfigError, PreflightError, ShardlmError, StorageError
-from shardlm.parallel.dims import device_memory_bytes, launch_topology, resolve_dims
+from shardlm.parallel.launch import plan_launch
 from shardlm.resolve import Resolved
 from shardlm.train.preemption import Preemption
 from shardlm.train.rundir import RunLock, check_writable
@@ -53,22 +53,21 @@ class Session:
         # NCCL and torch read these when the process group (and the CUDA allocator) starts: first thing.
         self.env_report = apply_env(cfg.env.preset, cfg.env.set_, Path(cfg.train.output_dir))
 
-    def launch(self, run: Resolved, model_bytes: Callable[[], int]) -> None:
-        """The launcher's topology and the mesh dimensions (`parallel.dp_* = auto` may weigh the model's
-        state against the device), and what in the environment would break the start: before any data is
-        prepared or any peer is waited for."""
-        self.run, self.topo = run, launch_topology()
+    def launch(self, run: Resolved, state_bytes: Callable[[str], int]) -> None:
+        """What in the environment would break the start, then the launcher's topology and the mesh degrees
+        (`parallel.dp_* = auto` may weigh the model's state against the device): before any data is prepared
+        or any peer is waited for (parallel/launch.py, the one launch path)."""
+        self.run = run
         if problems := start_problems(os.environ, cuda=run.device_type == "cuda"):
             raise ConfigError(str(problems[0]))
-        self.dims, self.dims_reason = resolve_dims(
-            self.cfg.parallel, self.topo, model_bytes,
-            device_memory_bytes(run.device_type, int(os.environ.get("LOCAL_RANK", "0")), self.topo.ranks_per_node))
+        self.plan = plan_launch(self.cfg.parallel, self.cfg.train.device, state_bytes)
+        self.topo, self.dims, self.dims_reason = self.plan.topology, self.plan.dims, self.plan.reason
 
     def join(self) -> DistEnv:
         """The process group, then the watchdog (a dead or stalled peer, or a launcher that is gone, ends this
         rank with one line, exit 8) and the preemption handlers; the environment's lines on rank 0."""
         p = self.cfg.parallel
-        self.env = env = init_distributed(self.cfg.train.device, p.init_timeout_s)
+        self.env = env = self.plan.start()
         self.stack.callback(shutdown_distributed)
         folder = self.run.checkpoint_dir
         self.watchdog = wd = Watchdog(env.rank, env.world_size, heartbeat_store(), p.init_timeout_s,
@@ -98,9 +97,8 @@ class Session:
     def mesh(self):
         """The device mesh with the run's timeouts on its groups, the preflight, the folder locks."""
         assert self.env is not None and self.watchdog is not None
-        self.device_mesh = self.dims.build_mesh(self.env.device.type)
         # The mesh's groups take the backend's default timeout, not init_process_group's: set them.
-        set_timeouts(self.device_mesh, self.watchdog.pg_timeout_s(self.cfg.parallel.init_timeout_s))
+        self.device_mesh = self.plan.build_mesh(self.env, self.watchdog.pg_timeout_s(self.cfg.parallel.init_timeout_s))
         self.run_preflight()
         self.locks = self.lock_run_folders()
         self.stack.callback(self.release_locks)

@@ -7,6 +7,7 @@ The run's operations (environment, launch, process group, watchdog, preemption, 
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import time
@@ -66,7 +67,7 @@ class Trainer:
         self.tokenizer = load_tokenizer(self.run.tokenizer)
         warnings: list[str] = []
         self.model_cfg = build_model_config(cfg, self.tokenizer.vocab_size, warn=warnings.append)
-        s.launch(self.run, lambda: model_state_bytes(cfg, self.model_cfg, self.run.device_type))
+        s.launch(self.run, functools.partial(model_state_bytes, cfg, self.model_cfg))
         self.topo, self.dims, self.dims_reason = s.topo, s.dims, s.dims_reason
         self.open_data()
         self.env = s.join()
@@ -85,10 +86,10 @@ class Trainer:
         say = lambda line: print(line, flush=True)  # noqa: E731
         quiet = say if first else (lambda line: None)
         spec = self.run.tokenizer
-        self.stores = open_stores(cfg, self.tokenizer, log=say, wait_log=quiet, tokenizer_spec=spec)
-        self.val_store = open_val_store(cfg, self.tokenizer, log=say, wait_log=quiet, tokenizer_spec=spec)
-        self.val_sources = mixture_val_stores(cfg, log=quiet)
-        needs_validation(cfg, self.val_store, self.val_sources)
+        self.stores = open_stores(cfg.data, self.tokenizer, log=say, wait_log=quiet, tokenizer_spec=spec)
+        self.val_store = open_val_store(cfg.data, cfg.eval, self.tokenizer, say, quiet, tokenizer_spec=spec)
+        self.val_sources = mixture_val_stores(cfg.data, cfg.eval, log=quiet)
+        needs_validation(cfg.data, cfg.eval, self.val_store, self.val_sources)
         if first:
             self.report.validation_sets(cfg.eval, [self.val_store] if self.val_store else [v for _, v in self.val_sources])
 
@@ -150,12 +151,13 @@ class Trainer:
 
     def open_outputs(self) -> None:
         """Metrics, validation, profiler, phase timer and W&B."""
-        cfg, m, pr = self.cfg, self.cfg.metrics, self.cfg.profile
-        metrics = MetricsLogger(self.output_dir, cfg.train.steps, self.is_rank0, m.progress_bar, m.tensorboard,
+        cfg, m, pr, t = self.cfg, self.cfg.metrics, self.cfg.profile, self.cfg.train
+        metrics = MetricsLogger(self.output_dir, t.steps, self.is_rank0, m.progress_bar, m.tensorboard,
                                 start_step=self.step)
         self.watchdog.enter("setup: eval")
-        self.validator = build_validator(cfg, self.val_store, self.val_sources, self.tokenizer, dp_rank(self.mesh),
-                                         self.dims.dp, self.env.device)
+        self.validator = build_validator(cfg.data, cfg.eval, self.val_store, self.val_sources, self.tokenizer,
+                                         dp_rank(self.mesh), self.dims.dp, self.env.device,
+                                         micro_batch_size=t.micro_batch_size, loss_chunk_tokens=t.loss_chunk_tokens)
         # the best val_loss of the run so far (a resume carries the one logged before it)
         self.best_val = best_logged(self.output_dir / "metrics.jsonl", self.step) \
             if self.resumed_from is not None and self.is_rank0 else None
@@ -216,8 +218,10 @@ class Trainer:
         self.checkpointer.save(self.step, final=final, blocking=blocking)
 
     def build_data(self):
-        loader, meta = build_loader(self.cfg, self.tokenizer, dp_rank(self.mesh), self.dims.dp, log=self.log,
-                                    stores=self.stores)
+        t = self.cfg.train
+        loader, meta = build_loader(self.cfg.data, self.tokenizer, dp_rank(self.mesh), self.dims.dp,
+                                    micro_batch_size=t.micro_batch_size, grad_accum=t.grad_accum, seed=t.seed,
+                                    log=self.log, stores=self.stores)
         # every micro-batch's ids against the model's vocabulary: damaged store bytes stop with one line
         loader.vocab_size = self.model_cfg.vocab_size
         loader.source = ", ".join(str(s.path) for s in self.stores)
@@ -283,7 +287,6 @@ class Trainer:
             self.log(f"nothing to do: the checkpoint is at step {self.step} and train.steps={t.steps}; "
                      "raise train.steps to train further")
         records, start = [], time.perf_counter()
-        self.checkpointer.facts.schedule = Schedule(t.steps, self.scheduler.anchor)
         self.preemption.catch_ctrl_c()  # from here to the end of the loop, Ctrl-C saves and stops
         with self.watchdog.guard():
             stopped, interrupted = self.loop(records, meter, tokens_per_step, start)

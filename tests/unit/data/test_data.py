@@ -205,7 +205,9 @@ def test_build_loader_branches_on_the_format_with_one_stats_shape(tmp_path):
         cfg = Config()
         cfg.data.format, cfg.data.path, cfg.data.seq_len = fmt, str(tmp_path / path), 32
         cfg.data.cache_dir = str(tmp_path / "cache")
-        loader, stats = build_loader(cfg, ByteTokenizer(), 0, 1, log=logs.append)
+        t = cfg.train
+        loader, stats = build_loader(cfg.data, ByteTokenizer(), 0, 1, micro_batch_size=t.micro_batch_size,
+                                     grad_accum=t.grad_accum, seed=t.seed, log=logs.append)
         assert isinstance(loader, SFTLoader if fmt == "sft" else PackedLoader)
         assert stats["format"] == fmt and stats["rows"] == loader.n_rows and stats["tokens"] > 0
         shapes.append(set(stats))

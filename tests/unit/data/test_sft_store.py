@@ -191,23 +191,24 @@ def test_training_config_on_sft_stores_and_the_mismatch_errors(tmp_path):
     assert main(["prepare", str(tmp_path / "src" / "a.jsonl"), str(out), "--data.format=sft"]) == 0
     cfg = Config()
     cfg.data.format, cfg.data.path, cfg.data.seq_len, cfg.data.cache_dir = "sft", str(out), 64, str(tmp_path / "c")
-    loader, stats = build_loader(cfg, ByteTokenizer(), 0, 1, log=lambda _: None)
+    train = dict(micro_batch_size=cfg.train.micro_batch_size, grad_accum=cfg.train.grad_accum, seed=cfg.train.seed)
+    loader, stats = build_loader(cfg.data, ByteTokenizer(), 0, 1, **train, log=lambda _: None)
     assert stats["template"] == "plain" and stats["documents"] == 15 and isinstance(loader, SFTLoader)
     # the same records as raw files: prepared into the cache, the same rows
     raw = Config()
     raw.data.format, raw.data.path, raw.data.seq_len = "sft", str(tmp_path / "src" / "a.jsonl"), 64
     raw.data.cache_dir = str(tmp_path / "c")
-    loader2, _ = build_loader(raw, ByteTokenizer(), 0, 1, log=lambda _: None)
+    loader2, _ = build_loader(raw.data, ByteTokenizer(), 0, 1, **train, log=lambda _: None)
     assert all((p == q).all() for p, q in zip(loader.next_step()[0], loader2.next_step()[0]))
     # an SFT store read as text, a text store read as SFT, a store rendered with another template
     cfg.data.format = "text"
     with pytest.raises(ConfigError, match="token store of sft data but data.format=text; set data.format=sft"):
-        open_stores(cfg, ByteTokenizer())
+        open_stores(cfg.data, ByteTokenizer())
     (tmp_path / "t.txt").write_text("plain text " * 50)
     assert main(["prepare", str(tmp_path / "t.txt"), str(tmp_path / "tstore")]) == 0
     cfg.data.format, cfg.data.path = "sft", str(tmp_path / "tstore")
     with pytest.raises(ConfigError, match="token store of text data but data.format=sft.*--data.format sft"):
-        open_stores(cfg, ByteTokenizer())
+        open_stores(cfg.data, ByteTokenizer())
     (tmp_path / "tok2").mkdir()
     (tmp_path / "tok2" / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHATML}))
     store = TokenStore.open(out)

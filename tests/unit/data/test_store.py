@@ -9,6 +9,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -25,7 +26,9 @@ from shardlm.data.store.format import MANIFEST, TokenStore
 from shardlm.data.store.prepare import PrepareSpec, ensure_cached_store, prepare
 from shardlm.data.tokenizer import ByteTokenizer
 from shardlm.errors import ConfigError, DataError
-from shardlm.fsutil import proc_start
+from shardlm.fsutil import FileLock, proc_start
+
+HOST = socket.gethostname()
 
 
 def _corpus(d: Path, n: int = 400) -> list[str]:
@@ -189,7 +192,7 @@ def test_the_cache_prepares_once_others_wait_and_a_dead_holder_is_taken_over(tmp
     cache.mkdir()
     lock = cache / f"{spec.key()}.lock"
     # a live holder (this process, another thread): the caller waits until its store appears
-    lock.write_text(json.dumps({"host": C._host(), "pid": os.getpid()}))
+    lock.write_text(json.dumps({"host": HOST, "pid": os.getpid()}))
     waited: list[str] = []
 
     def holder() -> None:
@@ -201,30 +204,39 @@ def test_the_cache_prepares_once_others_wait_and_a_dead_holder_is_taken_over(tmp
     t.start()
     got = ensure_cached_store(spec, cache, log=waited.append, poll_s=0.05)
     t.join()
-    assert got.documents == 30 and waited == [f"data: waiting for {C._host()} pid {os.getpid()} to prepare "
+    assert got.documents == 30 and waited == [f"data: waiting for {HOST} pid {os.getpid()} to prepare "
                                               f"{cache / spec.key()}"]
     # a dead holder on this host: taken over at once
     spec2 = _spec(tmp_path / "src", seed=1, val_fraction=0.1)
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
-    (cache / f"{spec2.key()}.lock").write_text(json.dumps({"host": C._host(), "pid": dead.pid}))
+    (cache / f"{spec2.key()}.lock").write_text(json.dumps({"host": HOST, "pid": dead.pid}))
     logs: list[str] = []
     ensure_cached_store(spec2, cache, log=logs.append, poll_s=0.05)
     assert logs[0] == f"data: took over the preparation of {cache / spec2.key()} from a process that is gone"
     assert not (cache / f"{spec2.key()}.lock").exists()
     # a live pid that is not the holder any more (reused: another start time) is a dead holder too
     reused = cache / "reused.lock"
-    reused.write_text(json.dumps({"host": C._host(), "pid": os.getpid(), "pid_start": "0"}))
-    assert C._Lock(reused).remove_if_stale() and not reused.exists()
-    reused.write_text(json.dumps({"host": C._host(), "pid": os.getpid(), "pid_start": proc_start(os.getpid())}))
-    assert not C._Lock(reused).remove_if_stale()
+    reused.write_text(json.dumps({"host": HOST, "pid": os.getpid(), "pid_start": "0"}))
+    notes: list[str] = []
+    taker = FileLock(reused, log=notes.append)
+    assert taker.acquire() and "is gone" in notes[0]
+    taker.release()
+    assert not reused.exists()
+    reused.write_text(json.dumps({"host": HOST, "pid": os.getpid(), "pid_start": proc_start(os.getpid())}))
+    with pytest.raises(ConfigError):
+        FileLock(reused).acquire()
     # another host's lock is trusted until it is LOCK_STALE_S old
     spec3 = _spec(tmp_path / "src", seed=2, val_fraction=0.1)
     other = cache / f"{spec3.key()}.lock"
     other.write_text(json.dumps({"host": "node-7", "pid": 1}))
-    assert not C._Lock(other).remove_if_stale()
+    with pytest.raises(ConfigError):
+        FileLock(other, stale_s=C.LOCK_STALE_S).acquire()
     os.utime(other, (time.time() - C.LOCK_STALE_S - 5,) * 2)
-    assert C._Lock(other).remove_if_stale() and not other.exists()
+    taker = FileLock(other, stale_s=C.LOCK_STALE_S, log=notes.append)
+    assert taker.acquire() and "no heartbeat from node-7" in notes[1]
+    taker.release()
+    assert not other.exists()
 
 
 def test_a_second_prepare_into_one_out_stops_with_one_line_and_leaves_the_first_ones_work(tmp_path, capsys):
@@ -232,11 +244,11 @@ def test_a_second_prepare_into_one_out_stops_with_one_line_and_leaves_the_first_
     spec, out = _spec(tmp_path / "src"), tmp_path / "store"
     lock = tmp_path / ".store.prepare.lock"
     # a live prepare (this process stands in for it) holds OUT and has written part of its work
-    lock.write_text(json.dumps({"host": C._host(), "pid": os.getpid(), "pid_start": proc_start(os.getpid())}))
+    lock.write_text(json.dumps({"host": HOST, "pid": os.getpid(), "pid_start": proc_start(os.getpid())}))
     work = F.partial_dir(out) / "parts"
     work.mkdir(parents=True)
     (work / "train-000000.json").write_text("being written")
-    with pytest.raises(ConfigError, match=f"another shardlm prepare \\({C._host()} pid {os.getpid()}\\) is writing "
+    with pytest.raises(ConfigError, match=f"another shardlm prepare \\({HOST} pid {os.getpid()}\\) is writing "
                                           f"{out}; wait for it"):
         prepare(spec, out, workers=1, log=lambda _: None)
     assert (work / "train-000000.json").read_text() == "being written" and lock.exists() and not out.exists()
@@ -247,7 +259,7 @@ def test_a_second_prepare_into_one_out_stops_with_one_line_and_leaves_the_first_
     # that prepare dies: its lock is taken over (its parts, of the same inputs, are resumed)
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
-    lock.write_text(json.dumps({"host": C._host(), "pid": dead.pid}))
+    lock.write_text(json.dumps({"host": HOST, "pid": dead.pid}))
     shutil.rmtree(F.partial_dir(out))
     logs: list[str] = []
     assert prepare(spec, out, workers=1, log=logs.append).documents == 30
@@ -372,7 +384,7 @@ def test_a_store_whose_validation_split_is_gone_says_so(tmp_path):
                                         "again"):
         TokenStore.open(tmp_path / "s").val()
     off = load_config(None, [f"--data.path=store:{tmp_path / 's'}", "--eval.at_end=false"])
-    assert open_val_store(off, ByteTokenizer()) is None
+    assert open_val_store(off.data, off.eval, ByteTokenizer()) is None
     prepare(_spec(tmp_path / "src"), tmp_path / "plain", workers=1, log=lambda _: None)
     assert TokenStore.open(tmp_path / "plain").val() is None  # none was made: none is asked for
 

@@ -41,10 +41,12 @@ def test_eval_max_tokens_limits_an_sft_set_too(tmp_path):
     from shardlm.eval.validation import Validator
 
     store, tok = _sft_store(tmp_path)
-    whole = Validator(load_config(None, ["--data.format=sft", "--data.seq_len=64"]), store, tok, 0, 1,
-                      torch.device("cpu"))
-    part = Validator(load_config(None, ["--data.format=sft", "--data.seq_len=64", "--eval.max_tokens=640"]), store,
-                     tok, 0, 1, torch.device("cpu"))
+    def validator(*args: str) -> Validator:
+        cfg = load_config(None, ["--data.format=sft", "--data.seq_len=64", *args])
+        return Validator(cfg.data, cfg.eval, store, tok, 0, 1, torch.device("cpu"),
+                         micro_batch_size=cfg.train.micro_batch_size, loss_chunk_tokens=cfg.train.loss_chunk_tokens)
+
+    whole, part = validator(), validator("--eval.max_tokens=640")
     assert whole.n_rows > 10 and part.n_rows == 10  # 640 // 64
 
 

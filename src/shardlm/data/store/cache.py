@@ -3,23 +3,20 @@
 `cached_store(key, cache_dir, build)` opens `<cache>/<key>/` when it is there; else the first process to take
 `<cache>/<key>.lock` builds it (`build`: the prepare, `shardlm.data.store.prepare.ensure_cached_store`) while
 the others wait for its manifest. This happens before the process group starts: no collective can time
-out meanwhile. A lock whose holder is gone (same host: its pid is dead or reused; another host: untouched
-for LOCK_STALE_S) is taken over.
+out meanwhile. The lock is a `shardlm.fsutil.FileLock`: one whose holder is gone (same host: its pid is dead
+or reused; another host: untouched for LOCK_STALE_S) is taken over.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
-import socket
-import threading
 import time
 from pathlib import Path
 from typing import Callable
 
 from shardlm.data.store.format import MANIFEST, TokenStore
-from shardlm.fsutil import pid_alive, proc_start  # the run lock's liveness rule (pid + its start time)
+from shardlm.fsutil import FileLock
 
 
 def default_cache_dir() -> Path:
@@ -29,61 +26,6 @@ def default_cache_dir() -> Path:
 
 LOCK_STALE_S = 120.0  # a lock from another host untouched this long is a dead preparer's
 LOCK_REFRESH_S = 10.0
-
-
-def _host() -> str:
-    return socket.gethostname()
-
-
-class _Lock:
-    """`<cache>/<key>.lock` made with O_EXCL: who prepares. The holder touches it every LOCK_REFRESH_S."""
-
-    def __init__(self, path: Path):
-        self.path = path
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-
-    def try_acquire(self) -> bool:
-        try:
-            fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-        except FileExistsError:
-            return False
-        with os.fdopen(fd, "w") as f:
-            f.write(json.dumps({"host": _host(), "pid": os.getpid(), "pid_start": proc_start(os.getpid())}))
-        self._thread = threading.Thread(target=self._refresh, name="shardlm-store-lock", daemon=True)
-        self._thread.start()
-        return True
-
-    def _refresh(self) -> None:
-        while not self._stop.wait(LOCK_REFRESH_S):
-            try:
-                os.utime(self.path)
-            except OSError:
-                return
-
-    def release(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join()
-        self.path.unlink(missing_ok=True)
-
-    def holder(self) -> dict | None:
-        try:
-            return json.loads(self.path.read_text()) | {"age": time.time() - self.path.stat().st_mtime}
-        except (OSError, json.JSONDecodeError):
-            return None
-
-    def remove_if_stale(self) -> bool:
-        h = self.holder()
-        if h is None:
-            return False
-        if h.get("host") == _host():
-            if not isinstance(h.get("pid"), int) or pid_alive(h["pid"], h.get("pid_start")):  # pid reuse: start time
-                return False
-        elif h["age"] < LOCK_STALE_S:
-            return False
-        self.path.unlink(missing_ok=True)
-        return True
 
 
 def cached_store(key: str, cache_dir: Path, build: Callable[[Path], TokenStore], *,
@@ -98,24 +40,17 @@ def cached_store(key: str, cache_dir: Path, build: Callable[[Path], TokenStore],
         log(f"data cache: removed {removed} unfinished preparation{'s' if removed > 1 else ''} of other inputs "
             f"untouched for a day in {cache_dir}")
     out = cache_dir / key
-    lock = _Lock(cache_dir / f"{key}.lock")
-    said = False
-    while not (out / MANIFEST).is_file():
-        if lock.try_acquire():
-            try:
-                if not (out / MANIFEST).is_file():
-                    return build(out)
-            finally:
-                lock.release()
-            break
-        if lock.remove_if_stale():
-            wait_log(f"data: took over the preparation of {out} from a process that is gone")
-            continue
-        if not said:
-            h = lock.holder() or {}
-            wait_log(f"data: waiting for {h.get('host', '?')} pid {h.get('pid', '?')} to prepare {out}")
-            said = True
-        time.sleep(poll_s)
+    lock = FileLock(cache_dir / f"{key}.lock", log=wait_log, heartbeat_s=LOCK_REFRESH_S, stale_s=LOCK_STALE_S,
+                    taken_over=lambda lock, why, h: f"data: took over the preparation of {out} from a process "
+                    "that is gone",
+                    waiting=lambda lock, h: f"data: waiting for {h.get('host', '?')} pid {h.get('pid', '?')} to "
+                    f"prepare {out}")
+    if lock.acquire(wait=True, until=lambda: (out / MANIFEST).is_file(), poll_s=poll_s, tries=None):
+        try:
+            if not (out / MANIFEST).is_file():
+                return build(out)
+        finally:
+            lock.release()
     return TokenStore.open(out)
 
 

@@ -31,12 +31,13 @@ from typing import Any, Callable, Iterator
 import numpy as np
 
 from shardlm.data.sources import BadRecords, Unit, is_stdlib, plan_units, read_texts, resolve_sources, skipped_line
-from shardlm.data.store.cache import _Lock, cached_store
+from shardlm.data.store.cache import LOCK_REFRESH_S, LOCK_STALE_S, cached_store
 from shardlm.data.store.format import (FORMAT, MANIFEST, VERSION, TokenStore, join_parts, partial_dir, token_dtype,
                                        with_ext, write_manifest)
 from shardlm.data.tokenizer import Tokenizer, encode_texts, load_tokenizer
 from shardlm.disk import disk_error
 from shardlm.errors import ConfigError
+from shardlm.fsutil import FileLock, staged, swap_in
 
 
 @dataclass
@@ -278,9 +279,8 @@ def _finish_unit(i: int, base: Path, train: _Part, val: _Part | None, bad: BadRe
               "stdlib_skipped": stdlib_skipped}
     if delay := os.environ.get("SHARDLM_TEST_PREPARE_SLEEP"):  # tests: a prepare slow enough to be killed midway
         time.sleep(float(delay))
-    tmp = with_ext(base, ".json.tmp")
-    tmp.write_text(json.dumps(result))
-    os.replace(tmp, with_ext(base, ".json"))
+    with staged(with_ext(base, ".json"), tmp=with_ext(base, ".json.tmp")) as tmp:
+        tmp.write_text(json.dumps(result))
     return result
 
 
@@ -366,15 +366,16 @@ def prepare(spec: PrepareSpec, out: Path, *, workers: int = 0, max_bad_fraction:
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ConfigError(f"{out} exists and is not a token store; pass a new or empty OUT_DIR")
     out.parent.mkdir(parents=True, exist_ok=True)
-    lock = _Lock(out.parent / f".{out.name}.prepare.lock")  # two prepares of one OUT would share temp names
-    if not lock.try_acquire():
-        if lock.remove_if_stale():
-            log(f"prepare: took over {out} from a prepare that is gone")
-        if not lock.try_acquire():
-            h = lock.holder() or {}
-            raise ConfigError(f"another shardlm prepare ({h.get('host', '?')} pid {h.get('pid', '?')}) is writing "
-                              f"{out}; wait for it to finish (a second run then finds the store), or pass another "
-                              "OUT_DIR")
+    def busy(lock: FileLock, h: dict) -> ConfigError:
+        return ConfigError(f"another shardlm prepare ({h.get('host', '?')} pid {h.get('pid', '?')}) is writing "
+                           f"{out}; wait for it to finish (a second run then finds the store), or pass another OUT_DIR")
+
+    # two prepares of one OUT would share temp names
+    lock = FileLock(out.parent / f".{out.name}.prepare.lock", log=log, heartbeat_s=LOCK_REFRESH_S,
+                    stale_s=LOCK_STALE_S, busy=busy,
+                    taken_over=lambda lock, why, h: f"prepare: took over {out} from a prepare that is gone")
+    if not lock.acquire():
+        raise busy(lock, lock.holder() or {})
     state: dict = {}
     try:
         if (out / MANIFEST).is_file():  # the one we waited on finished it
@@ -420,9 +421,7 @@ def _prepare_locked(spec: PrepareSpec, out: Path, key: str, *, workers: int, max
     t0 = time.monotonic()
     used = _run_jobs(spec, todo, len(jobs), workers, log, progress)
     stage, bad = _join(spec, jobs, work, key, tok, dtype, max_bad_fraction, log)
-    if out.is_dir():
-        out.rmdir()  # empty (checked by `prepare`)
-    os.replace(stage, out)
+    swap_in(stage, out)  # an empty `out` (checked by `prepare`) is replaced
     shutil.rmtree(work, ignore_errors=True)
     store = TokenStore.open(out)
     _report(spec, store, out, time.monotonic() - t0, used, bad, log)

@@ -30,6 +30,8 @@ from shardlm.checkpoint.manager import not_a_checkpoint
 from shardlm.checkpoint.meta import CheckpointMeta, tokenizer_dir_of
 from shardlm.checkpoint.reader import CheckpointReader
 from shardlm.config import LoraSection
+from shardlm.data.chat import ChatTemplate
+from shardlm.data.tokenizer import ByteTokenizer, HFTokenizer
 from shardlm.disk import check_free, disk_error, mount_point
 from shardlm.errors import ConfigError, StorageError
 from shardlm.fsutil import pid_alive, remove, staged
@@ -251,12 +253,8 @@ def special_ids(base_cfg: Mapping[str, Any] | None, tokenizer_dir: Path | None, 
                            if base_cfg and base_cfg.get(k) is not None}
     train_eos, turn_ends = None, []
     if byte_tokenizer:
-        from shardlm.data.tokenizer import ByteTokenizer
-
         train_eos = ByteTokenizer.eos_id
     elif tokenizer_dir is not None and (tokenizer_dir / "tokenizer.json").is_file():
-        from shardlm.data.tokenizer import HFTokenizer
-
         tok = HFTokenizer(tokenizer_dir / "tokenizer.json")
         train_eos, vocab = tok.eos_id, tok.tok.get_vocab(with_added_tokens=True)
         tc_path = tokenizer_dir / "tokenizer_config.json"
@@ -272,8 +270,6 @@ def special_ids(base_cfg: Mapping[str, Any] | None, tokenizer_dir: Path | None, 
         for k, v in (("bos_token_id", bos), ("pad_token_id", pad)):
             if v is not None:
                 ids.setdefault(k, v)
-        from shardlm.data.chat import ChatTemplate
-
         template = ChatTemplate.from_dir(tokenizer_dir)  # its end-of-turn tokens end an answer too
         turn_ends = [vocab[m] for m in (template.end_markers if template is not None else []) if m in vocab]
     eos = _with_eos(ids.get("eos_token_id"), train_eos)

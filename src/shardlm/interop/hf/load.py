@@ -28,8 +28,9 @@ from shardlm.errors import ConfigError
 from shardlm.interop.hf.config import read_hf_config
 from shardlm.interop.hf.names import our_key_to_hf, validate
 from shardlm.lora import is_lora_param
-from shardlm.parallel.fsdp import shard_region
 from shardlm.models.llama import ModelConfig
+from shardlm.parallel.fsdp import shard_region
+from shardlm.quant.nf4 import is_nf4, quantize_into
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -147,8 +148,6 @@ NF4 parameters: then every rank of the shard group calls it). RoPE buffers
         _check_config(cfg, d)
     stored = scan_hf_weights(d)
     source = check_hf_tensors(stored, {k: tuple(p.shape) for k, p in params.items()}, tied, d)
-    from shardlm.quant.nf4 import is_nf4, quantize_into
-
     nf4 = {k for k, p in params.items() if is_nf4(p)}
     by_file: dict[Path, list[str]] = {}
     for key in params:
