@@ -1,12 +1,24 @@
-"""Shared fixtures: a small corpus made from local files, so no test downloads anything."""
+"""Shared fixtures: a small corpus made from local files, so no test downloads anything.
+
+tests/ goes on sys.path here, once, so that every test module imports the test-only code as
+`helpers.<module>` (tests/helpers/), and so do the ranks `helpers.launch.run_ranks` forks (their forkserver
+starts with this process's sys.path)."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from shardlm.data.sources import builtin_files
+TESTS = Path(__file__).resolve().parent
+if str(TESTS) not in sys.path:
+    sys.path.insert(0, str(TESTS))
+
+from helpers.disk import SmallDisk  # noqa: E402
+
+from shardlm.data.sources import builtin_files  # noqa: E402
 
 
 def write_corpus(path: Path, n_bytes: int = 200_000) -> Path:
@@ -27,28 +39,10 @@ def corpus(tmp_path_factory) -> Path:
     return write_corpus(tmp_path_factory.mktemp("corpus") / "corpus.txt")
 
 
-class SmallDisk:
-    """A tmpfs of a few MB at `path` (a real full disk: ENOSPC); `resize(mb)` grows or shrinks it in place."""
-
-    def __init__(self, path: Path):
-        self.path = path
-
-    def _mount(self, *opts: str) -> None:
-        import subprocess
-
-        subprocess.run(["mount", "-t", "tmpfs", "-o", ",".join(opts), "tmpfs", str(self.path)], check=True,
-                       capture_output=True)
-
-    def resize(self, mb: int) -> None:
-        self._mount("remount", f"size={mb}m")
-
-
 @pytest.fixture
 def small_disk(tmp_path):
     """A mounted 16 MB tmpfs; skipped where mounting is not allowed (not root, no CAP_SYS_ADMIN): then the
     `ulimit -f` (EFBIG) cases of the same tests still run the same code."""
-    import subprocess
-
     disk = SmallDisk(tmp_path / "small_disk")
     disk.path.mkdir()
     try:

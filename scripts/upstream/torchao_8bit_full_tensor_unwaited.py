@@ -12,7 +12,7 @@ redistribute then unpads with `aten.slice` and `aten.view`, which OptimState8bit
 viewing its inner tensors; ACT passes view ops through without waiting, so the result holds ACTs that no
 one waits for. Reading them (`.codes.clone()`, pickling, `torch.equal`) races with the collective's writer
 thread. A plain tensor in the same place is waited (its ACT is waited by the first non-view op or by
-redistribute). Workaround (shardlm's tests/distributed/whole.py): after `full_tensor()`, replace each inner
+redistribute). Workaround (shardlm's tests/helpers/whole.py): after `full_tensor()`, replace each inner
 ACT by `act.wait()`.
 
 shardlm never gathers optimizer state whole; only its tests did. Filed here because no session has internet:

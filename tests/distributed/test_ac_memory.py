@@ -17,8 +17,8 @@ import dataclasses
 
 import pytest
 import torch
-from launch import run_ranks
-from whole import whole
+from helpers.launch import run_ranks
+from helpers.whole import whole
 
 MB, SEQ = 4, 64
 MODES = ("none", "full", "selective", "selective_op")

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from launch import run_ranks
+from helpers.launch import run_ranks
 
 from shardlm.bench.comm import (
     ModelBytes,

@@ -9,8 +9,8 @@ import time
 from pathlib import Path
 
 import pytest
-from launch import run_ranks
-from whole import whole
+from helpers.launch import run_ranks
+from helpers.runs import checksums, train_then
 
 STEPS, HALF = 12, 6
 
@@ -22,59 +22,6 @@ def _overrides(out, corpus, cache, mbs, steps=STEPS, **extra):
          "metrics.progress_bar": False}
     o.update(extra)
     return [f"--{k}={v}" for k, v in o.items()]
-
-
-def _checksums(model) -> dict[str, float]:
-    return {n: whole(p).double().sum().item() for n, p in model.named_parameters()}
-
-
-def _optim_checksum(trainer) -> float:
-    total = 0.0
-    for state in trainer.optimizer.state.values():
-        for v in state.values():
-            t = v.full_tensor() if hasattr(v, "full_tensor") else v
-            total += t.double().abs().sum().item()
-    return total
-
-
-def stop_after_trainer() -> type:
-    """A Trainer class whose `stop_after = k` stops a run after step k the way SIGTERM does (request -> save
-    -> stop); None: never. (Made on call: workers import the trainer in their own process.)"""
-    from shardlm.train.trainer import Trainer
-
-    class StopAfter(Trainer):
-        stop_after = None
-
-        def train_step(self, batches, stop_requested=False):
-            if self.step + 1 == self.stop_after:
-                self.preemption.requested = True
-                stop_requested = True
-            return super().train_step(batches, stop_requested)
-
-    return StopAfter
-
-
-def train_then(runs: list[tuple[list[str], int | None]]) -> list[dict]:
-    """Train each (config, stop_after) in turn on these ranks; losses by step, weights and optimizer
-    checksums. `stop_after=k` stops a run after step k the way SIGTERM does (request -> save -> stop)."""
-    from shardlm.config import load_config
-
-    StopAfter = stop_after_trainer()
-
-    out = []
-    for overrides, stop_after in runs:
-        StopAfter.stop_after = stop_after
-        t = StopAfter(load_config(None, overrides))
-        recs = t.train()
-        files = {}
-        for ck in sorted(Path(t.checkpoint_dir).glob("step-*")):
-            files[ck.name] = {f.name: f.stat().st_size for f in ck.glob("*.distcp")}
-        out.append({"loss": {r["step"]: r["loss"] for r in recs}, "weights": _checksums(t.model),
-                    "optim": _optim_checksum(t), "start": recs[0]["step"] if recs else None, "files": files,
-                    "numel": sum(p.numel() for p in t.model.parameters())})
-        t.checkpointer.close()
-        t.release_locks()  # the next Trainer in this process takes the same folder
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -318,7 +265,7 @@ def async_save_snapshots(tmp: str, corpus: str) -> dict:
 
     class Probe(Trainer):
         def save(self, final=False, blocking=False):
-            snapshots[self.step] = _checksums(self.model)
+            snapshots[self.step] = checksums(self.model)
             super().save(final, blocking)
 
         def train_step(self, batches, stop_requested=False):
@@ -338,7 +285,7 @@ def async_save_snapshots(tmp: str, corpus: str) -> dict:
     for step in (3, 6):
         r = Trainer(load_config(None, _overrides(tmp / f"load{step}", corpus, tmp / "cache", mbs=1, steps=9, **{
             "checkpoint.resume": str(tmp / "run" / "checkpoints" / f"step-{step}")})))
-        loaded[step] = _checksums(r.model)
+        loaded[step] = checksums(r.model)
         r.checkpointer.close()
         r.release_locks()  # the next Trainer in this process takes the same folder
     return {"snapshots": snapshots, "loaded": loaded, "overlapped": sum(overlapped)}
@@ -365,7 +312,7 @@ def init_from_dcp(tmp: str, corpus: str, hf: str, converted: str) -> dict:
         t = Trainer(load_config(None, _overrides(tmp / name, corpus, tmp / "cache", mbs=1, steps=steps, **{
             "model.init_from": init, "data.tokenizer": f"{hf}/tokenizer.json", **kw})))
         recs = t.train() if train else []
-        out = {"loss": [r["loss"] for r in recs], "weights": _checksums(t.model)}
+        out = {"loss": [r["loss"] for r in recs], "weights": checksums(t.model)}
         t.checkpointer.close()
         t.release_locks()
         return out

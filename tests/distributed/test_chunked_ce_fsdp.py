@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from launch import run_ranks
+from helpers.launch import run_ranks
 
 B, T, CHUNK = 2, 13, 7  # 26 tokens per rank: chunks of 7, 7, 7, 5
 CASES = ("plain", "tied", "lora", "tied_bf16")

@@ -12,7 +12,7 @@ arithmetic, so its losses match within 1e-5.
 from __future__ import annotations
 
 import pytest
-from launch import run_ranks
+from helpers.launch import run_ranks
 
 STEPS = 4
 

@@ -9,7 +9,7 @@ import gzip
 import json
 
 import pytest
-from launch import run_ranks
+from helpers.launch import run_ranks
 
 STEPS = 8
 REL = 1e-5

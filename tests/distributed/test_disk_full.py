@@ -14,7 +14,7 @@ import resource
 import tempfile
 from pathlib import Path
 
-from launch import run_ranks
+from helpers.launch import run_ranks
 
 
 def _train(out: Path, ck: Path, corpus: str, steps: int = 4) -> list[str]:
@@ -76,7 +76,7 @@ def test_a_file_size_limit_in_a_save_and_an_export_is_one_line(tmp_path, corpus)
 
 
 def full_disk(tmp: str, corpus: str, disk: str) -> dict:
-    from conftest import SmallDisk
+    from helpers.disk import SmallDisk
 
     tmp_p, small = Path(tmp), SmallDisk(Path(disk))
     ck, out = small.path / "ck", {}

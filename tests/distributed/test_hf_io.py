@@ -24,9 +24,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from hf_tiny import tiny_hf_model
-from launch import run_ranks
-from whole import whole
+from helpers.hf_tiny import tiny_hf_model
+from helpers.launch import run_ranks
+from helpers.whole import whole
 
 # transformers is imported lazily (`_tf()`): the spawned ranks import this module and need only torch.
 

@@ -29,7 +29,7 @@ import threading
 import time
 
 import pytest
-from launch import run_ranks
+from helpers.launch import run_ranks
 
 pytest.importorskip("transformers")
 

@@ -10,8 +10,8 @@ from it exactly like a run that never saw the NaN.
 from __future__ import annotations
 
 import pytest
-from launch import run_ranks
-from whole import local
+from helpers.launch import run_ranks
+from helpers.whole import local
 
 STEPS = 8
 

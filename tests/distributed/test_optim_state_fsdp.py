@@ -25,7 +25,7 @@ Found since: `full_tensor()` of an 8-bit moment returned codes and scales whose 
 for (torchao's OptimState8bit wraps each inner gather as an AsyncCollectiveTensor and its slice/view keep
 them so; nothing in that path calls wait_tensor), so this test read, compared and pickled buffers gloo's
 threads might still be writing, and 1080 collectives stayed in flight on rank 0 to the end. `whole()` now waits
-(tests/distributed/whole.py), the test below checks none is left, and run_ranks no longer reruns a crashed
+(tests/helpers/whole.py), the test below checks none is left, and run_ranks no longer reruns a crashed
 spawn: a crash here fails the suite with its stacks. Not proven to be that crash's cause: valgrind's memcheck
 over the fp32 -> int8 resume and these reads on 4 ranks (the old, unwaited `whole()`) found no invalid write and
 no use of freed memory, and the crash has not been reproduced since. shardlm itself never gathers optimizer
@@ -37,8 +37,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from launch import run_ranks
-from whole import local, whole
+from helpers.launch import run_ranks
+from helpers.runs import stop_after_trainer
+from helpers.whole import local, whole
 
 STEPS, HALF = 12, 6
 
@@ -121,7 +122,6 @@ def _train(runs: list[tuple[list[str], int | None]]) -> list[dict]:
     after step k as SIGTERM does (save, stop)."""
     from shardlm.config import load_config
     from shardlm.train.optim import int8_quantised, state_bytes
-    from test_checkpoint import stop_after_trainer
 
     StopAfter = stop_after_trainer()
 

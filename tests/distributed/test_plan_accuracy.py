@@ -33,10 +33,8 @@ copies nothing, so on GPUs the planner's number is the one to expect.
 from __future__ import annotations
 
 import pytest
-from launch import run_ranks
-
-TOL = 0.15
-MID = ["--model.preset=debug", "--model.dim=256", "--model.n_layers=4", "--model.ffn_dim=768", "--model.vocab_size=8192"]
+from helpers.launch import run_ranks
+from helpers.plan_accuracy import MID, TOL, plan_config, real_worker
 
 # name -> (config overrides, train.ac)
 CASES = {
@@ -67,91 +65,9 @@ CASES = {
 }
 
 
-def _config(overrides: list[str], ac: str):
-    from shardlm.config import load_config
-
-    # the real side runs on CPU, where parallel.reshard_after_forward=auto keeps only the last block (= true);
-    # the planner plans auto for a GPU of --gpu-mem-gib (tests/unit/test_plan.py), so say true on both sides
-    return load_config(None, ["--parallel.reshard_after_forward=true", *overrides, f"--train.ac={ac}"])
-
-
-def _real_worker(cases: dict) -> dict:
-    import torch
-    import torch.distributed as dist
-    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
-
-    from shardlm.build import build_model, build_model_config
-    from shardlm.data.loader import IGNORE_INDEX
-    from shardlm.distributed.env import init_distributed
-    from shardlm.parallel.dims import ParallelDims
-    from shardlm.parallel.fsdp import clip_grad_norm_
-    from shardlm.plan.tracker import track_unmanaged
-    from shardlm.train.optim import build_optimizer
-    from shardlm.train.step import forward_backward
-
-    env = init_distributed("cpu")
-    out = {}
-    for name, (overrides, ac) in cases.items():
-        cfg = _config(overrides, ac)
-        t = cfg.train
-        dims = ParallelDims(cfg.parallel.dp_replicate, cfg.parallel.dp_shard, env.world_size)
-        mesh = dims.build_mesh("cpu")
-        mc = build_model_config(cfg, 0)
-        model = build_model(cfg, mc, mesh, torch.device("cpu"))  # the trainer's recipe, real tensors
-        params = [p for p in model.parameters() if p.requires_grad]
-        optimizer = build_optimizer(model, t, torch.device("cuda"))  # fused, as on CUDA
-
-        gen = torch.Generator().manual_seed(env.rank)
-
-        def batch():
-            d = torch.randint(0, mc.vocab_size, (t.micro_batch_size, cfg.data.seq_len + 1), generator=gen)
-            return d[:, :-1].contiguous(), d[:, 1:].contiguous()
-
-        grads = {}
-
-        def grad_bytes(tracker) -> int:
-            snap = tracker.get_tracker_snapshot("current")
-            return sum(v for dev in snap.values() for k, v in dev.items()
-                       if str(getattr(k, "value", k)) in ("Sharded Grad", "Unsharded Grad"))
-
-        def train_step(batches, tracker=None):  # Trainer.train_step, on CPU
-            counts = torch.tensor([float(sum(int((y != IGNORE_INDEX).sum()) for _, y in batches)), 0.0])
-            dist.all_reduce(counts)
-
-            def reset(k):
-                if k and tracker is not None:
-                    grads.setdefault("mid", grad_bytes(tracker))  # after the first micro-batch's backward
-                    tracker.reset_mod_stats()  # else it refuses a second root forward
-
-            loss_sum = forward_backward(model, batches, dims.dp / counts[0].item(), torch.device("cpu"),
-                                        t.grad_sync, dims.hsdp, before_micro_batch=reset,
-                                        loss_chunk_tokens=t.loss_chunk_tokens)
-            if tracker is not None:
-                grads["end"] = grad_bytes(tracker)  # after the last backward
-            clip_grad_norm_(params, t.grad_clip, flag=loss_sum)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-
-        train_step([batch() for _ in range(t.grad_accum)])  # step 1: creates the optimizer state
-        batches = [batch() for _ in range(t.grad_accum)]
-        tracker = FSDPMemTracker(model, optimizer)
-        tracker.track_inputs(tuple(batches))
-        unmanaged = track_unmanaged(tracker, model)  # on one rank: the parameters FSDP leaves alone
-        with tracker:
-            train_step(batches, tracker)
-        for h in unmanaged:
-            h.remove()
-        peak = tracker.get_tracker_snapshot("peak")
-        out[name] = {"peak": sum(dev["Total"] for dev in peak.values()),
-                     "split": {str(getattr(k, "value", k)): v for dev in peak.values() for k, v in dev.items()},
-                     "grads": grads}
-        del model, optimizer, params, tracker, batches
-    return out
-
-
 @pytest.fixture(scope="module")
 def real():
-    return {world: run_ranks(world, _real_worker, CASES) for world in (2, 4)}
+    return {world: run_ranks(world, real_worker, CASES) for world in (2, 4)}
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -160,7 +76,7 @@ def test_planner_within_15_percent_of_real(real, case, world):
     from shardlm.plan import plan
 
     overrides, ac = CASES[case]
-    report = plan(_config(overrides, ac), world_size=world, gpu_mem_gib=80, gpus_per_node=world,
+    report = plan(plan_config(overrides, ac), world_size=world, gpu_mem_gib=80, gpus_per_node=world,
                   alternatives=False)
     planned, measured = report.base.peak.total, real[world][case]["peak"]
     rel = abs(planned - measured) / measured
@@ -177,6 +93,6 @@ def test_gradients_stay_sharded_under_accumulation(real, world):
     r = real[world]
     one, four = r["debug_fp32"]["grads"], r["debug_fp32_accum4"]["grads"]
     assert four["mid"] == pytest.approx(one["end"], rel=0.02) and four["end"] == pytest.approx(one["end"], rel=0.02)
-    n_params = build_model_config(_config(CASES["debug_fp32"][0], "none"), 0).num_params()
+    n_params = build_model_config(plan_config(CASES["debug_fp32"][0], "none"), 0).num_params()
     assert one["end"] == pytest.approx(4 * n_params / world, rel=0.05)  # fp32, sharded over the ranks
     assert r["debug_fp32_accum2_step"]["grads"]["mid"] >= 0.95 * 4 * n_params  # step: every gradient, whole

@@ -1,7 +1,7 @@
 """The planner against reality with document masks (data.document_mask): planned within 15% of a real run.
 
 One spawn of 2 gloo ranks measures the same training step with and without document masks, by
-test_plan_accuracy's own worker (`_real_worker`: the trainer's build, AdamW, `forward_backward`, clip, under
+test_plan_accuracy's own worker (`real_worker`: the trainer's build, AdamW, `forward_backward`, clip, under
 FSDPMemTracker in real mode); for the masked case its micro-batches get positions, as the trainer's loader
 gives them (a document every 256 tokens), so the model builds the dense (B, 1, T, T) mask and runs SDPA
 with it (sdpa-mask: what a CPU runs). The plans are made with document_attention="sdpa-mask" in this process.
@@ -15,8 +15,8 @@ mask per layer, 4 layers, + per-token cos/sin + positions).
 from __future__ import annotations
 
 import pytest
-from launch import run_ranks
-from test_plan_accuracy import TOL, _config, _real_worker
+from helpers.launch import run_ranks
+from helpers.plan_accuracy import TOL, plan_config, real_worker
 
 BASE = ["--model.preset=debug", "--train.mixed_precision=fp32", "--train.micro_batch_size=2", "--data.seq_len=512"]
 CASES = {"causal": (BASE, "none"), "documents": ([*BASE, "--data.document_mask=true"], "none")}
@@ -27,15 +27,15 @@ def _worker(cases: dict) -> dict:
     from shardlm.plan.attention import positions
 
     plain = {k: v for k, v in cases.items() if "--data.document_mask=true" not in v[0]}
-    out = _real_worker(plain)
+    out = real_worker(plain)
     forward_backward = step.forward_backward
 
     def with_positions(model, batches, *args, **kwargs):  # (inputs, labels) -> (inputs, labels, positions)
         return forward_backward(model, [(x, y, positions(*x.shape, x.device)) for x, y in batches], *args, **kwargs)
 
-    step.forward_backward = with_positions  # `_real_worker` imports it when it runs
+    step.forward_backward = with_positions  # `real_worker` imports it when it runs
     try:
-        out.update(_real_worker({k: v for k, v in cases.items() if k not in plain}))
+        out.update(real_worker({k: v for k, v in cases.items() if k not in plain}))
     finally:
         step.forward_backward = forward_backward
     return out
@@ -51,7 +51,7 @@ def test_document_masks_planned_within_15_percent_of_real(real):
 
     planned = {}
     for name, (overrides, ac) in CASES.items():
-        report = plan(_config(overrides, ac), world_size=2, gpu_mem_gib=80, gpus_per_node=2, alternatives=False,
+        report = plan(plan_config(overrides, ac), world_size=2, gpu_mem_gib=80, gpus_per_node=2, alternatives=False,
                       document_attention="sdpa-mask")
         planned[name] = report.base.peak.total
         measured = real[name]["peak"]

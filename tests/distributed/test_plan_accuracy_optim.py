@@ -1,6 +1,6 @@
 """The planner against reality with bf16 and 8-bit AdamW state (train.optimizer_state_dtype): within 15%.
 
-One spawn of 2 gloo ranks measures the trainer's step by test_plan_accuracy's own worker (`_real_worker`:
+One spawn of 2 gloo ranks measures the trainer's step by test_plan_accuracy's own worker (`real_worker`:
 the trainer's build and `build_optimizer`, step 1 untracked to create the state, step 2 under
 FSDPMemTracker in real mode); the plans are made in this process. The mid-size model (~7.6M parameters) with
 one 128-token sequence per rank peaks at the end of backward, where parameters, gradients and optimizer
@@ -16,8 +16,8 @@ test_plan_accuracy's known one (gloo copies the reduce-scatter input; NCCL and t
 from __future__ import annotations
 
 import pytest
-from launch import run_ranks
-from test_plan_accuracy import MID, TOL, _config, _real_worker
+from helpers.launch import run_ranks
+from helpers.plan_accuracy import MID, TOL, plan_config, real_worker
 
 BASE = [*MID, "--train.mixed_precision=fp32", "--train.micro_batch_size=1", "--data.seq_len=128"]
 CASES = {d: ([*BASE, f"--train.optimizer_state_dtype={d}"], "none") for d in ("fp32", "bf16", "int8")}
@@ -25,14 +25,14 @@ CASES = {d: ([*BASE, f"--train.optimizer_state_dtype={d}"], "none") for d in ("f
 
 @pytest.fixture(scope="module")
 def real():
-    return run_ranks(2, _real_worker, CASES)
+    return run_ranks(2, real_worker, CASES)
 
 
 @pytest.fixture(scope="module")
 def planned():
     from shardlm.plan import plan
 
-    return {name: plan(_config(overrides, ac), world_size=2, gpu_mem_gib=80, gpus_per_node=2, alternatives=False)
+    return {name: plan(plan_config(overrides, ac), world_size=2, gpu_mem_gib=80, gpus_per_node=2, alternatives=False)
             for name, (overrides, ac) in CASES.items()}
 
 

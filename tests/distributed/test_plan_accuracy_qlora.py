@@ -1,6 +1,6 @@
 """The planner against reality for QLoRA (lora.base_dtype=nf4) and the bf16 frozen base: within 15%.
 
-Same method as test_plan_accuracy (its `_real_worker`: the trainer's build with real tensors on 2 gloo
+Same method as test_plan_accuracy (its `real_worker`: the trainer's build with real tensors on 2 gloo
 ranks, AdamW, one tracked training step): the real side quantises each rank's shards of the random init
 to NF4 (`shardlm.quant.nf4`), the planner's fake build puts fake NF4 shards of torchao's sizes in their
 place (FakeTensorMode cannot run the quantiser: `assign_empty`), so both see NF4 sharded parameters,
@@ -14,8 +14,8 @@ per rank 29,253,924 vs 29,253,428 B (nf4), 47,253,492 vs 47,252,996 B (bf16 base
 from __future__ import annotations
 
 import pytest
-from launch import run_ranks
-from test_plan_accuracy import TOL, _config, _real_worker
+from helpers.launch import run_ranks
+from helpers.plan_accuracy import TOL, plan_config, real_worker
 
 pytest.importorskip("torchao")
 
@@ -30,7 +30,7 @@ CASES = {"qlora_nf4": ([*SHAPE, "--lora.base_dtype=nf4"], "none"),
 
 @pytest.fixture(scope="module")
 def real():
-    return run_ranks(2, _real_worker, CASES)
+    return run_ranks(2, real_worker, CASES)
 
 
 def test_qlora_planned_within_15_percent_of_real(real):
@@ -38,7 +38,7 @@ def test_qlora_planned_within_15_percent_of_real(real):
 
     seen = {}
     for name, (overrides, ac) in CASES.items():
-        report = plan(_config(overrides, ac), world_size=2, gpu_mem_gib=80, gpus_per_node=2, alternatives=False)
+        report = plan(plan_config(overrides, ac), world_size=2, gpu_mem_gib=80, gpus_per_node=2, alternatives=False)
         planned, measured = report.base.peak.total, real[name]["peak"]
         seen[name] = (planned, measured)
         rel = abs(planned - measured) / measured

@@ -5,7 +5,7 @@ and leaves the parameters on the CPU."""
 from __future__ import annotations
 
 import pytest
-from launch import run_ranks
+from helpers.launch import run_ranks
 
 STEPS = 10
 

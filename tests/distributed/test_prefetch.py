@@ -11,8 +11,8 @@ import dataclasses
 
 import pytest
 import torch
-from launch import run_ranks
-from whole import whole
+from helpers.launch import run_ranks
+from helpers.whole import whole
 
 L = 4  # blocks
 CASES = {  # name: apply_fsdp keyword arguments

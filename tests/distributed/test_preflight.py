@@ -19,7 +19,7 @@ above 2x, the noise below it.
 from __future__ import annotations
 
 import pytest
-from launch import run_ranks
+from helpers.launch import run_ranks
 
 from shardlm.distributed.preflight import StepTimes, step_time_slots
 

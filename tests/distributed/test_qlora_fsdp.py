@@ -19,46 +19,18 @@ of (W + BAs)x vs Wx + B(Ax)s); frozen bytes per rank 1,903,104 (fp32) vs 951,552
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
-from launch import run_ranks
-from whole import local, whole
+from helpers.launch import run_ranks
+from helpers.qlora import STEPS, make_hf, nf4_reference, qlora_overrides
+from helpers.runs import train_then
+from helpers.whole import local, whole
 
 pytest.importorskip("transformers")
 pytest.importorskip("torchao")
 
-DIMS = dict(hidden_size=256, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2)
-STEPS, HALF = 8, 4
-
-
-def make_hf(out: Path) -> Path:
-    """A tiny random HF llama whose every linear splits into whole NF4 groups on 2 ranks."""
-    import torch
-    import transformers
-
-    from shardlm.assets.debug_hf import make_tokenizer
-
-    out.mkdir(parents=True, exist_ok=True)
-    make_tokenizer(out, vocab_size=320)
-    vocab = json.loads((out / "tokenizer.json").read_text())["model"]["vocab"]
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=len(vocab), max_position_embeddings=512, rms_norm_eps=1e-5,
-                                   tie_word_embeddings=False, initializer_range=0.2, **DIMS)
-    transformers.LlamaForCausalLM(cfg).float().save_pretrained(out, safe_serialization=True)
-    return out
-
-
-def _overrides(out, corpus, hf, **extra) -> list[str]:
-    o = {"model.init_from": f"hf:{hf}", "data.tokenizer": f"{hf}/tokenizer.json", "data.path": str(corpus),
-         "data.cache_dir": str(Path(out).parent / "cache"), "data.seq_len": 64, "train.output_dir": str(out),
-         "train.mixed_precision": "fp32", "train.micro_batch_size": 2, "train.lr": 1e-2, "train.warmup_steps": 1,
-         "train.steps": STEPS, "lora.rank": 8, "lora.alpha": 16, "lora.base_dtype": "nf4",
-         "metrics.log_every": 1, "metrics.progress_bar": False}
-    o.update(extra)
-    return [f"--{k}={v}" for k, v in o.items()]
+HALF = 4
 
 
 def _nf4_state(model) -> dict:
@@ -106,32 +78,6 @@ def _reshard(model) -> None:
             m.reshard()
 
 
-def _reference(cfg, mc, hf: str, lora_sd: dict):
-    """One process, no FSDP: our Transformer on the HF weights with every LoRA base replaced by
-    `to_nf4(W in bf16)` dequantised, the given adapters, fp32."""
-    import torch
-    from safetensors.torch import load_file
-
-    from shardlm.interop.hf.names import hf_key_to_ours
-    from shardlm.lora import apply_lora
-    from shardlm.models import Transformer
-    from shardlm.quant.nf4 import nf4_roundtrip
-
-    sd = {}
-    for f in sorted(Path(hf).glob("*.safetensors")):
-        sd.update({hf_key_to_ours(k): v for k, v in load_file(f).items()})
-    torch.manual_seed(0)
-    ref = Transformer(mc)
-    apply_lora(ref, cfg.lora.rank, cfg.lora.alpha, 0.0, cfg.lora.targets)
-    for name, m in ref.named_modules():
-        if hasattr(m, "lora_A"):
-            sd[f"{name}.weight"] = nf4_roundtrip(sd[f"{name}.weight"]).float()
-    sd.update(lora_sd)
-    ref.load_state_dict(sd, strict=False)
-    ref.rope.reset_parameters()
-    return ref
-
-
 def worker(tmp: str, corpus: str, hf: str) -> dict:
     import torch
     import torch.distributed as dist
@@ -147,7 +93,7 @@ def worker(tmp: str, corpus: str, hf: str) -> dict:
     tmp = Path(tmp)
     env = init_distributed("cpu")
     res: dict = {}
-    cfg = load_config(None, _overrides(tmp / "probe", corpus, hf))
+    cfg = load_config(None, qlora_overrides(tmp / "probe", corpus, hf))
     mc = build_model_config(cfg, 0)
     mesh = ParallelDims(1, -1, env.world_size).build_mesh("cpu")
 
@@ -176,7 +122,7 @@ def worker(tmp: str, corpus: str, hf: str) -> dict:
         block.reshard()
     res["bitwise"], res["gathered_types"] = bitwise, sorted(types)
     # model.init_from=dcp: (the HF folder through `convert hf-to-dcp`): the same NF4 shards, bit for bit
-    dcfg = load_config(None, _overrides(tmp / "probe", corpus, hf, **{"model.init_from": f"dcp:{tmp / 'dcp'}"}))
+    dcfg = load_config(None, qlora_overrides(tmp / "probe", corpus, hf, **{"model.init_from": f"dcp:{tmp / 'dcp'}"}))
     from_dcp = build_model(dcfg, build_model_config(dcfg, 0), mesh, torch.device("cpu"))
     res["dcp_equal"] = all(all(torch.equal(a, b) for a, b in zip(v, fresh[k]))
                            for k, v in _nf4_state(from_dcp).items()) and len(fresh) == 14
@@ -197,10 +143,8 @@ def worker(tmp: str, corpus: str, hf: str) -> dict:
     res["gathered_expected"] = (nf4_inputs, other)
 
     # -- training: loss falls, NF4 base unchanged, resume exact; export ------------------------------
-    from test_checkpoint import train_then  # the StopAfter trainer and its summaries
-
     def trained(name, stop_after=None, **kw):
-        return (_overrides(tmp / name, corpus, hf, **kw), stop_after)
+        return (qlora_overrides(tmp / name, corpus, hf, **kw), stop_after)
 
     straight, first, resumed = train_then([
         trained("straight", **{"checkpoint.interval": 0}),
@@ -210,7 +154,7 @@ def worker(tmp: str, corpus: str, hf: str) -> dict:
     ])
     res["straight"], res["first"], res["resumed"] = straight["loss"], first["loss"], resumed["loss"]
 
-    t = Trainer(load_config(None, _overrides(tmp / "again", corpus, hf, **{"train.steps": 3})))
+    t = Trainer(load_config(None, qlora_overrides(tmp / "again", corpus, hf, **{"train.steps": 3})))
     t.train()
     res["base_unchanged"] = all(all(torch.equal(a, b) for a, b in zip(v, fresh[k]))
                                 for k, v in _nf4_state(t.model).items())
@@ -219,7 +163,7 @@ def worker(tmp: str, corpus: str, hf: str) -> dict:
         ours = t.model(x).float()
     _reshard(t.model)
     lora_sd = {n: whole(p) for n, p in t.model.named_parameters() if "lora_" in n}
-    ref = _reference(cfg, mc, hf, lora_sd)
+    ref = nf4_reference(cfg, mc, hf, lora_sd)
     with torch.no_grad():
         res["logits_vs_reference"] = (ours - ref(x)).abs().max().item()
         from shardlm.lora import merge_lora
@@ -230,7 +174,7 @@ def worker(tmp: str, corpus: str, hf: str) -> dict:
     t.checkpointer.close()
     t.release_locks()
 
-    a = Trainer(load_config(None, _overrides(tmp / "adapters", corpus, hf, **{"train.steps": 1,
+    a = Trainer(load_config(None, qlora_overrides(tmp / "adapters", corpus, hf, **{"train.steps": 1,
                                                                                 "lora.adapters_only": True})))
     a.train()
     dist.barrier()  # rank 0 publishes the checkpoint
@@ -240,7 +184,7 @@ def worker(tmp: str, corpus: str, hf: str) -> dict:
     a.release_locks()
 
     # random init: each rank quantises its shard of init_weights' draw, bitwise to_nf4 of the whole
-    rcfg = load_config(None, [*_overrides(tmp / "rand", corpus, hf), "--model.init_from="])
+    rcfg = load_config(None, [*qlora_overrides(tmp / "rand", corpus, hf), "--model.init_from="])
     rnd = build_model(rcfg, mc, mesh, torch.device("cpu"))
     layer = rnd.layers[1]
     layer.unshard()
@@ -258,7 +202,7 @@ def worker(tmp: str, corpus: str, hf: str) -> dict:
     # -- lora.base_dtype=bf16 against fp32 -------------------------------------------------------
     frozen = {}
     for bd in ("fp32", "bf16"):
-        m = build_model(load_config(None, _overrides(tmp / bd, corpus, hf, **{"lora.base_dtype": bd})), mc, mesh,
+        m = build_model(load_config(None, qlora_overrides(tmp / bd, corpus, hf, **{"lora.base_dtype": bd})), mc, mesh,
                         torch.device("cpu"))
         frozen[bd] = sum(local(p).numel() * p.dtype.itemsize for p in m.parameters() if not p.requires_grad)
         frozen[bd + "_dtypes"] = sorted({str(p.dtype) for p in m.parameters() if not p.requires_grad})

@@ -8,9 +8,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from launch import run_ranks
-from whole import local
-from test_qlora_fsdp import _overrides, make_hf
+from helpers.launch import run_ranks
+from helpers.whole import local
+from helpers.qlora import make_hf, qlora_overrides
+from helpers.runs import train_then
 
 pytest.importorskip("transformers")
 pytest.importorskip("torchao")
@@ -26,11 +27,10 @@ def worker(tmp: str, corpus: str, hf: str) -> dict:
     from shardlm.interop.hf.names import our_key_to_hf
     from shardlm.parallel.dims import ParallelDims
     from shardlm.quant.nf4 import torchao_nf4
-    from test_checkpoint import train_then
 
     env = init_distributed("cpu")
     hsdp = {"parallel.dp_replicate": 2, "parallel.dp_shard": 2, "train.steps": 3}
-    cfg = load_config(None, _overrides(Path(tmp) / "probe", corpus, hf, **hsdp))
+    cfg = load_config(None, qlora_overrides(Path(tmp) / "probe", corpus, hf, **hsdp))
     mc = build_model_config(cfg, 0)
     model = build_model(cfg, mc, ParallelDims(2, 2, env.world_size).build_mesh("cpu"), torch.device("cpu"))
     sd = {}
@@ -45,7 +45,7 @@ def worker(tmp: str, corpus: str, hf: str) -> dict:
                 bitwise.append(torch.equal(m.weight.quantized_data, ref.quantized_data)
                                and torch.equal(m.weight.get_original_weight(), ref.get_original_weight()))
         block.reshard()
-    (run,) = train_then([(_overrides(Path(tmp) / "run", corpus, hf, **hsdp), None)])
+    (run,) = train_then([(qlora_overrides(Path(tmp) / "run", corpus, hf, **hsdp), None)])
     return {"bitwise": bitwise, "loss": run["loss"], "shard_rows": local(model.layers[0].mlp.down_proj.weight).shape}
 
 

@@ -9,7 +9,7 @@ import signal
 from pathlib import Path
 
 import pytest
-from launch import run_ranks
+from helpers.launch import run_ranks
 
 TINY = ["--model.dim=32", "--model.n_layers=1", "--model.n_heads=2", "--model.n_kv_heads=2", "--model.ffn_dim=64",
         "--data.seq_len=32", "--train.micro_batch_size=2", "--train.steps=2", "--metrics.log_every=1",

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from launch import run_ranks
-from whole import local, whole
+from helpers.launch import run_ranks
+from helpers.whole import local, whole
 
 STEPS = 10
 SHORT = 5  # the 4-rank accumulation runs (4 processes on 2 cores are the slow part)

@@ -3,7 +3,7 @@ only copy the one shard into a second buffer (`parallel.fsdp.single_copy_params`
 
 One spawn of 1 gloo rank on the tiny HF llama of test_qlora_fsdp (dim 256, 2 layers), seq 64:
   * LoRA on a bf16 base, bf16 compute, measured by the tracker in real mode around one training step (the
-    accuracy test's `_real_worker`), once as built now and once with every parameter under FSDP (as before):
+    accuracy test's `real_worker`), once as built now and once with every parameter under FSDP (as before):
     the frozen base is plain tensors, the peak's "Unsharded Param" loses the frozen root and block copies, the
     peak total drops by at least that, and the losses of the step are identical;
   * QLoRA (lora.base_dtype=nf4) trains on 1 rank (it crashed in torch's one-rank all-gather path before): its
@@ -20,7 +20,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from launch import run_ranks
+from helpers.launch import run_ranks
+from helpers.plan_accuracy import TOL, plan_config, real_worker
+from helpers.qlora import make_hf, nf4_reference, qlora_overrides
 
 pytest.importorskip("transformers")
 pytest.importorskip("torchao")
@@ -44,10 +46,8 @@ def _nf4_pieces(model) -> dict:
 
 def _qlora(tmp: str, corpus: str, hf: str, world: int) -> list[str]:
     """QLoRA for STEPS steps, the same global batch of 4 sequences on `world` ranks."""
-    from test_qlora_fsdp import _overrides
-
-    return _overrides(Path(tmp) / f"qlora{world}", corpus, hf, **{"train.micro_batch_size": 4 // world,
-                                                                  "checkpoint.interval": 0})
+    return qlora_overrides(Path(tmp) / f"qlora{world}", corpus, hf, **{"train.micro_batch_size": 4 // world,
+                                                                        "checkpoint.interval": 0})
 
 
 def two_ranks(tmp: str, corpus: str, hf: str) -> list[float]:
@@ -63,8 +63,6 @@ def two_ranks(tmp: str, corpus: str, hf: str) -> list[float]:
 
 def worker(tmp: str, corpus: str, hf: str) -> dict:
     import torch
-    from test_plan_accuracy import _real_worker
-    from test_qlora_fsdp import _reference
 
     from shardlm.config import load_config
     from shardlm.distributed.env import init_distributed
@@ -73,11 +71,11 @@ def worker(tmp: str, corpus: str, hf: str) -> dict:
 
     env = init_distributed("cpu")
     assert env.world_size == 1
-    res = {"real": _real_worker(_cases(hf))}
+    res = {"real": real_worker(_cases(hf))}
     keep = fsdp.single_copy_params
     fsdp.single_copy_params = lambda *a, **k: set()  # every parameter under FSDP, as before
     try:
-        res["all_fsdp"] = _real_worker({"lora_bf16": _cases(hf)["lora_bf16"]})
+        res["all_fsdp"] = real_worker({"lora_bf16": _cases(hf)["lora_bf16"]})
     finally:
         fsdp.single_copy_params = keep
 
@@ -94,7 +92,7 @@ def worker(tmp: str, corpus: str, hf: str) -> dict:
         ours = t.model(x).float()
     lora_sd = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p) for n, p in t.model.named_parameters()
                if "lora_" in n}
-    ref = _reference(t.cfg, t.model_cfg, hf, lora_sd)
+    ref = nf4_reference(t.cfg, t.model_cfg, hf, lora_sd)
     with torch.no_grad():
         res["logits_vs_reference"] = (ours - ref(x)).abs().max().item()
     t.checkpointer.close()
@@ -104,8 +102,6 @@ def worker(tmp: str, corpus: str, hf: str) -> dict:
 
 @pytest.fixture(scope="module")
 def res(tmp_path_factory, corpus):
-    from test_qlora_fsdp import make_hf
-
     tmp = tmp_path_factory.mktemp("one")
     hf = make_hf(tmp / "hf")
     out = run_ranks(1, worker, str(tmp), str(corpus), str(hf))
@@ -133,12 +129,10 @@ def test_qlora_trains_on_one_process(res):
 
 @pytest.mark.parametrize("case", ["lora_bf16", "qlora"])
 def test_planner_on_one_rank_matches_the_real_step(res, case):
-    from test_plan_accuracy import TOL, _config
-
     from shardlm.plan import plan
 
     overrides, ac = _cases(res["hf"])[case]
-    report = plan(_config(overrides, ac), world_size=1, gpu_mem_gib=80, gpus_per_node=1, alternatives=False)
+    report = plan(plan_config(overrides, ac), world_size=1, gpu_mem_gib=80, gpus_per_node=1, alternatives=False)
     planned, measured = report.base.peak.total, res["real"][case]["peak"]
     assert abs(planned - measured) / measured <= TOL, (planned, measured, report.base.peak.raw,
                                                        res["real"][case]["split"])

@@ -13,7 +13,7 @@ import os
 import numpy as np
 import pytest
 
-from launch import run_ranks
+from helpers.launch import run_ranks
 
 STEPS, REL = 6, 1e-5
 

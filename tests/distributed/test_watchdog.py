@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from launch import run_ranks
+from helpers.launch import run_ranks
 
 from shardlm.distributed.watchdog import Beat, Watchdog, is_comm_failure, short_message, waited_for
 from shardlm.errors import CommError

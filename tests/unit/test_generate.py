@@ -250,7 +250,7 @@ ARCHS = {"llama": {}, "qwen2": {}, "qwen3": {"head_dim": 32}}
 @pytest.mark.parametrize("arch", list(ARCHS))
 def test_greedy_equals_transformers_generate_from_hf_and_from_dcp(arch, tmp_path):
     pytest.importorskip("transformers")
-    from hf_tiny import tiny_hf_model
+    from helpers.hf_tiny import tiny_hf_model
 
     from shardlm.inference import load_for_inference
     from shardlm.interop.hf.import_ import import_hf_to_dcp

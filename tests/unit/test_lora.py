@@ -10,7 +10,7 @@ from torch import nn
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
-from hf_tiny import tiny_hf_model  # noqa: E402
+from helpers.hf_tiny import tiny_hf_model  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
 from shardlm.config import TrainSection  # noqa: E402

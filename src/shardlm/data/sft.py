@@ -133,12 +133,6 @@ def _chunked(*arrays: np.ndarray, size: int = 1 << 16):
         yield from zip(*(x[a : a + size].tolist() for x in arrays))
 
 
-def pack_best_fit(lengths: Sequence[int], capacity: int) -> list[list[int]]:
-    """`pack_rows` as lists of indices (small inputs, tests)."""
-    ptr, items = pack_rows(np.asarray(lengths, dtype=np.int64), capacity)
-    return [items[ptr[r]:ptr[r + 1]].tolist() for r in range(len(ptr) - 1)]
-
-
 class SFTLoader(RowLoader):
     """PackedLoader's interface over SFT samples: rows of (inputs, labels) with answer-only labels.
 

@@ -54,11 +54,6 @@ def read_and_reset_peak_memory(device: torch.device) -> dict[str, float | None]:
     return {"mem_gib": kib / 2**20, "mem_reserved_gib": None}
 
 
-def read_and_reset_peak_memory_gib(device: torch.device) -> float:
-    """`read_and_reset_peak_memory(device)["mem_gib"]`."""
-    return read_and_reset_peak_memory(device)["mem_gib"]
-
-
 class MetricsLogger:
     """Writes one JSON object per logged step; rank 0 also draws the bar and prints a line."""
 

@@ -52,10 +52,6 @@ class Breakdown:
     raw: dict[str, int] = field(default_factory=dict)
 
     @classmethod
-    def from_snapshot(cls, snap: dict) -> Breakdown:
-        return cls.from_flat(flat(snap))
-
-    @classmethod
     def from_flat(cls, flat: dict[str, int]) -> Breakdown:
         """From category name -> bytes (with "Total"; a planner-only "offload" entry is ignored)."""
         total = flat.get("Total", 0)

@@ -8,10 +8,10 @@ from __future__ import annotations
 import importlib.util
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
+from helpers.paths import ROOT
 
 from shardlm.config import load_config
 from shardlm.errors import ConfigError
@@ -22,7 +22,6 @@ from shardlm.train.sdpa import AUTO_HOPPER_ORDER, choose_sdpa_backends, sdpa_bac
 BF16, FP32 = torch.bfloat16, torch.float32
 H100 = (9, 0)
 A100 = (8, 0)
-ROOT = Path(__file__).resolve().parents[2]
 
 
 # --- SDPA kernel choice --------------------------------------------------------------------------------

@@ -53,7 +53,7 @@ def test_tensorboard_events(tmp_path):
 
 
 def test_peak_memory_reader_on_cpu_is_the_peak_rss():
-    from shardlm.observe.metrics import read_and_reset_peak_memory_gib
+    from shardlm.observe.metrics import read_and_reset_peak_memory
 
-    first = read_and_reset_peak_memory_gib(torch.device("cpu"))
-    assert 0 < first <= read_and_reset_peak_memory_gib(torch.device("cpu"))  # peak RSS never goes down
+    first = read_and_reset_peak_memory(torch.device("cpu"))["mem_gib"]
+    assert 0 < first <= read_and_reset_peak_memory(torch.device("cpu"))["mem_gib"]  # peak RSS never goes down

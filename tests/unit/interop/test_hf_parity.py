@@ -9,7 +9,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from hf_tiny import tiny_hf_model  # noqa: E402
+from helpers.hf_tiny import tiny_hf_model  # noqa: E402
 
 from shardlm.interop.hf.config import config_from_hf, config_to_hf  # noqa: E402
 from shardlm.interop.hf.names import (  # noqa: E402

@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 
 import pytest
-from launch import run_ranks
+from helpers.launch import run_ranks
 
 
 def _abort_first_time(marker: str) -> int:

@@ -19,6 +19,7 @@ from shardlm.cli import main
 from shardlm.config import load_config
 from shardlm.errors import PlanError
 from shardlm.plan import GIB, Breakdown, plan
+from shardlm.plan.report import flat
 
 
 def _cfg(*overrides: str, ac: str | None = None):
@@ -161,11 +162,10 @@ def test_every_plan_command_the_docs_show_runs_on_a_fresh_checkout(capsys):
     """The plan commands in README.md, docs/*.md and configs/*.toml, as written (HF folders absent here)."""
     import re
     import shlex
-    from pathlib import Path
+    from helpers.paths import ROOT as root
 
     from shardlm.cli import main
 
-    root = Path(__file__).resolve().parents[2]
     texts = [root / "README.md", *sorted((root / "docs").glob("*.md")), *sorted((root / "configs").glob("*.toml"))]
     cmds = {m.group(1).split("[")[0].strip().rstrip("`") for f in texts
             for m in re.finditer(r"shardlm plan (--config [^\n`]+)", f.read_text())}
@@ -278,7 +278,7 @@ def test_breakdown_grouping():
     snap = {"cpu": {"Sharded Param": 1, "Unsharded Param": 2, "Buffer": 4, "Sharded Grad": 8, "Unsharded Grad": 16,
                     "Activation": 32, "Inputs": 64, "Temp": 128, "All Gather": 256, "Reduce Scatter": 512,
                     "OptState": 1024, "Total": 2047}}
-    b = Breakdown.from_snapshot(snap)
+    b = Breakdown.from_flat(flat(snap))
     assert (b.params, b.grads, b.activations, b.temporaries, b.comm, b.optimizer, b.total) == (
         7, 24, 96, 128, 768, 1024, 2047)
 

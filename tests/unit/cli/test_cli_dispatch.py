@@ -7,16 +7,15 @@ they call are replaced where running them would be slow.
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from helpers.paths import ROOT
 
 from shardlm import __version__
 from shardlm.cli import COMMANDS, main
 from shardlm.errors import PLAN_DOES_NOT_FIT, ConfigError
 
-ROOT = Path(__file__).resolve().parents[2]
 DEBUG = str(ROOT / "configs" / "debug.toml")
 
 
@@ -174,7 +173,6 @@ def test_convert_and_generate_say_the_same_of_a_path_that_is_no_checkpoint(capsy
 
 def test_help_lists_every_exit_code_and_the_docs_agree(capsys):
     import re
-    from pathlib import Path
 
     from shardlm.cli import main
     from shardlm.errors import EXIT_CODES, ConfigError, DataError, CheckpointError, PlanError, TrainingError
@@ -184,6 +182,6 @@ def test_help_lists_every_exit_code_and_the_docs_agree(capsys):
     out = capsys.readouterr().out
     for code, what in EXIT_CODES.items():
         assert f"{code:>3}  {what}" in out
-    page = (Path(__file__).resolve().parents[2] / "docs" / "concepts.md").read_text()  # "Errors and exit codes"
+    page = (ROOT / "docs" / "concepts.md").read_text()  # "Errors and exit codes"
     table = {int(m.group(1)) for m in re.finditer(r"^\| (\d+) \| ", page, re.M)}
     assert table == set(EXIT_CODES), (table, set(EXIT_CODES))

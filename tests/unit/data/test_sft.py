@@ -5,6 +5,7 @@ import re
 
 import numpy as np
 import pytest
+from helpers.packing import pack_best_fit
 
 from shardlm.data.loader import IGNORE_INDEX
 from shardlm.data.sft import (
@@ -12,7 +13,6 @@ from shardlm.data.sft import (
     PlainTemplate,
     SFTLoader,
     build_sft_loader,
-    pack_best_fit,
 )
 from shardlm.data.tokenizer import ByteTokenizer, load_tokenizer
 from shardlm.errors import ConfigError, DataError

@@ -11,13 +11,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers.packing import pack_best_fit
 
 from shardlm.cli import main
 from shardlm.config import Config
 from shardlm.data.store import prepare as P
 from shardlm.data.chat import answer_info, load_template, record_key, record_to_messages, tokenize_records
 from shardlm.data.loader import build_loader, open_stores
-from shardlm.data.sft import SFTLoader, SFTSamples, pack_best_fit, pack_rows
+from shardlm.data.sft import SFTLoader, SFTSamples, pack_rows
 from shardlm.data.store.format import TokenStore
 from shardlm.data.store.prepare import prepare, sft_spec
 from shardlm.data.tokenizer import ByteTokenizer

@@ -22,7 +22,7 @@ from typing import Any, Callable
 import torch.multiprocessing as mp
 
 # What every rank imports anyway; the forkserver imports these once (an ImportError is ignored there).
-PRELOAD = ["torch", "torch.distributed.checkpoint", "shardlm.train.trainer", "shardlm.plan", "launch"]
+PRELOAD = ["torch", "torch.distributed.checkpoint", "shardlm.train.trainer", "shardlm.plan", "helpers.launch"]
 
 
 def _free_port() -> int:
