@@ -9,7 +9,7 @@ on a different dp degree continues exactly where the run stopped.
 The permutation (`Permutation`) is a keyed Feistel network computed per index: O(1) memory and time
 whatever the number of rows (a materialised permutation of 10^9 windows would be 8 GB per rank).
 Its output is part of the checkpoint contract: changing it changes which samples a resume reads,
-so any change to `Permutation` must bump `ORDER_VERSION` (tests/unit/test_order.py pins its values).
+so any change to `Permutation` must bump `ORDER_VERSION` (tests/unit/data/test_order.py pins its values).
 """
 
 from __future__ import annotations

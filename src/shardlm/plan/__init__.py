@@ -63,7 +63,7 @@ and said so in the plan's notes: train.compile (eager memory is planned) and the
 (NCCL only: all-gather buffers are planned in bf16, an upper bound).
 
 Models deeper than ~33 layers are planned from two short fake steps (`extrapolate`): equal to the
-byte to running every layer (tests/unit/test_plan.py; timings in benchmarks/results/plan_speed_cpu.txt).
+byte to running every layer (tests/unit/plan/test_plan.py; timings in benchmarks/results/plan_speed_cpu.txt).
 `exact=True` runs every layer.
 """
 

@@ -19,7 +19,7 @@ from shardlm.plan.fake_step import StepMemory
 # train.ac=selective's every-n-th pattern, else 1) fix every line; the plan for L layers is the
 # maximum over the phases of their lines at L. Every point of both runs is checked against the
 # fit (to the byte in practice); if any is off, or the phases of the two runs differ, the planner
-# runs all L layers instead. tests/unit/test_plan.py compares this with all-layer runs.
+# runs all L layers instead. tests/unit/plan/test_plan.py compares this with all-layer runs.
 
 _EDGE = 2
 MIN_SAVING = 12  # blocks: see `reduced_layers` (tests lower it to extrapolate small models)
