@@ -73,6 +73,7 @@ from torch.distributed.checkpoint.state_dict import (
     get_optimizer_state_dict,
 )
 
+from shardlm.build import STORED_FORMS
 from shardlm.checkpoint import Checkpointer
 from shardlm.config import load_config
 from shardlm.observe.metrics import MetricsLogger
@@ -151,7 +152,7 @@ class Bench:
             self.ck_sync = trainer.checkpointer
             self.ck_async = Checkpointer(dataclasses.replace(cfg.checkpoint, async_=True, dir=str(tmp / "ckpt-async")),
                                          tmp / "ckpt-async", rank, trainer.model, trainer.optimizer,
-                                         {"trainer": trainer.state}, log=trainer.log)
+                                         {"trainer": trainer.state}, log=trainer.log, forms=STORED_FORMS)
         self.model, self.opt = trainer.model, trainer.optimizer
         self.step_id = 10**6  # step numbers for direct saves, never clashing with training steps
         self.full_file = tmp / "full.pt"

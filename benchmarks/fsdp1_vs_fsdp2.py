@@ -102,7 +102,7 @@ from shardlm.models.llama import Block
 from shardlm.parallel.dims import ParallelDims
 from shardlm.parallel.fsdp import clip_grad_norm_
 from shardlm.train.optim import build_optimizer
-from shardlm.build import build_model, build_model_config
+from shardlm.build import STORED_FORMS, build_model, build_model_config
 
 RESULT = Path(__file__).resolve().parent / "results" / "fsdp1_vs_fsdp2_cpu.txt"
 MODEL = ["--model.preset=debug", "--model.dim=768", "--model.n_layers=6", "--model.ffn_dim=2048",
@@ -217,7 +217,7 @@ class FSDP2Setup(Setup):
 
     def save(self, folder: Path, step: int) -> Path:
         ck = Checkpointer(self.cfg.checkpoint, folder, dist.get_rank(), self.model, self.optimizer,
-                          {"trainer": {"step": torch.tensor(step)}}, log=lambda line: None)
+                          {"trainer": {"step": torch.tensor(step)}}, log=lambda line: None, forms=STORED_FORMS)
         ck.save(step, blocking=True)
         return folder / f"step-{step}"
 

@@ -28,10 +28,13 @@ from shardlm.parallel.ac import apply_ac
 from shardlm.parallel.compile import apply_compile
 from shardlm.parallel.fsdp import apply_fsdp, mp_policy, shard_view
 from shardlm.quant.fp8 import apply_fp8, check_fp8_hardware
-from shardlm.quant.nf4 import apply_nf4, check_shapes, is_nf4, nf4_nbytes, nf4_params, quantize_into
+from shardlm.quant.nf4 import NF4_FORM, apply_nf4, check_shapes, is_nf4, nf4_nbytes, nf4_params, quantize_into
 from shardlm.resolve import base_dtype, frozen_dtype, uses_fp8_all_gather
 
 Materialize = Callable[[Transformer, Config, torch.device], None]
+# The stored forms (shardlm.checkpoint.stored) the parameters this recipe makes may be held in: the checkpoint
+# code is told, it knows no encoding. Hand these to Checkpointer, CheckpointReader and load_dcp_weights.
+STORED_FORMS = (NF4_FORM,)
 
 
 def build_model_config(cfg: Config, tokenizer_vocab: int, warn: Callable[[str], None] | None = None) -> ModelConfig:
@@ -88,7 +91,7 @@ def materialize_weights(model: Transformer, cfg: Config, device: torch.device) -
     # the adapters, not 70B numbers that the load overwrites.
     model.init_weights(seed=cfg.train.seed, shard_view=shard_view, only=is_lora_param)
     if cfg.model.dcp_dir is not None:
-        load_dcp_weights(model, cfg.model.dcp_dir)
+        load_dcp_weights(model, cfg.model.dcp_dir, forms=STORED_FORMS)
         return
     load_hf_weights(model, cfg.model.hf_dir)
 

@@ -41,7 +41,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from shardlm.build import build_model, build_model_config, materialize_weights, model_state_bytes
+from shardlm.build import STORED_FORMS, build_model, build_model_config, materialize_weights, model_state_bytes
 from shardlm.checkpoint.manager import SafeLoadPlanner, read_keys, saved_tensors
 from shardlm.checkpoint.meta import CheckpointMeta
 from shardlm.checkpoint.reader import CheckpointReader, SINGLE_PROCESS_WARNING
@@ -170,15 +170,16 @@ def load_merged_lora(model: Transformer, ck: Path, pairs: Pairs, scaling: float,
     state = get_model_state_dict(model) if base else {}
     missing = sorted(state.keys() - stored.keys())
     if missing:  # a QLoRA run's base weights are stored as NF4 pieces: read each dequantised, keep this rank's rows
-        reader = CheckpointReader(ck)
-        for name in [n for n in missing if n in reader.nf4]:
+        reader = CheckpointReader(ck, STORED_FORMS)
+        for name in [n for n in missing if n in reader.encoded]:
             local, shape, offset = shard_region(model.get_parameter(name))
             if local.numel():
                 full = reader.read([name])[name]
                 local.copy_(full[tuple(slice(o, o + n) for o, n in zip(offset, shape))].to(local.dtype))
                 del full
-        nf4 = set(reader.nf4)
-        state, missing = {k: v for k, v in state.items() if k not in nf4}, [n for n in missing if n not in nf4]
+        encoded = set(reader.encoded)
+        state, missing = ({k: v for k, v in state.items() if k not in encoded},
+                          [n for n in missing if n not in encoded])
     if missing:
         raise CheckpointError(f"{ck} lacks {len(missing)} weight(s) this model needs ({', '.join(missing[:3])}"
                               f"{', ...' if len(missing) > 3 else ''}); pass a checkpoint of this model")

@@ -242,11 +242,12 @@ def worker(tmp: str, corpus: str, hf: str) -> dict:
             theirs = hf_model(x).logits.float()
         res["export_vs_merged"] = (theirs - merged_logits).abs().max().item()
         # the NF4 pieces of an async-saved checkpoint read back (dequantised) as the base trained against
+        from shardlm.build import STORED_FORMS
         from shardlm.checkpoint.reader import CheckpointReader
         from shardlm.quant.nf4 import nf4_roundtrip
 
-        reader = CheckpointReader(tmp / "half" / "checkpoints" / "step-2")
-        names = sorted(reader.nf4)
+        reader = CheckpointReader(tmp / "half" / "checkpoints" / "step-2", STORED_FORMS)
+        names = sorted(reader.encoded)
         got = reader.read(names)
         res["pieces_read_back"] = len(names) == 14 and all(
             torch.equal(got[n], nf4_roundtrip(hf_sd[our_key_to_hf(n)])) for n in names)

@@ -10,19 +10,19 @@ take precedence once there are any. LoRA adapters are initialised as usual (B = 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
-import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
 from shardlm.checkpoint.manager import SafeLoadPlanner, read_keys
 from shardlm.checkpoint.meta import CheckpointMeta
+from shardlm.checkpoint.stored import StoredForm
 from shardlm.errors import CheckpointError
 from shardlm.lora import is_lora_param
 from shardlm.models.llama import ModelConfig
-from shardlm.quant.nf4 import local_shape, nf4_params, quantize_into
 
 DCP_PREFIX = "dcp:"
 _MODEL = "model."
@@ -37,8 +37,10 @@ def dcp_model_config(path: Path) -> ModelConfig:
     return CheckpointMeta.load(path).require_model(path)
 
 
-def load_dcp_weights(model: nn.Module, path: Path) -> None:
-    """Fill the (sharded) model's non-LoRA weights from `path`'s `model.*` tensors, in place."""
+def load_dcp_weights(model: nn.Module, path: Path, *, forms: Sequence[StoredForm]) -> None:
+    """Fill the (sharded) model's non-LoRA weights from `path`'s `model.*` tensors, in place. A parameter held
+    in one of `forms` (a QLoRA base) is read as its plain weight into `plain_like` buffers of this
+    rank's shards, then filled by its form."""
     stored = {k[len(_MODEL):] for k in read_keys(path) if k.startswith(_MODEL)}
     state = get_model_state_dict(model)
     adapters = sorted(k for k in stored if is_lora_param(k))
@@ -52,24 +54,12 @@ def load_dcp_weights(model: nn.Module, path: Path) -> None:
         raise CheckpointError(f"model.init_from=dcp:{path} lacks {len(missing)} weight(s) this model needs "
                               f"({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''}); pass a checkpoint "
                               "of the same model")
-    nf4 = nf4_params(model)  # QLoRA base: read into bf16 buffers of this rank's rows, then quantised
-    plain = {k: _bf16_like(p) for k, (_, _, p) in nf4.items()}
-    rest = {k: v for k, v in wanted.items() if k not in nf4}
-    dcp.load({"model": {**rest, **plain}}, checkpoint_id=str(path), planner=SafeLoadPlanner())
+    plain = [(form, {n: form.plain_like(model.get_parameter(n)) for n in sorted(form.names(model))})
+             for form in forms]
+    buffers = {n: b for _, bufs in plain for n, b in bufs.items()}
+    rest = {k: v for k, v in wanted.items() if k not in buffers}
+    dcp.load({"model": {**rest, **buffers}}, checkpoint_id=str(path), planner=SafeLoadPlanner())
     set_model_state_dict(model, rest, options=StateDictOptions(strict=False))
-    if nf4:
-        quantize_into(model, lambda name, *_: _local(plain[name]), next(iter(plain.values())).device)
-
-
-def _bf16_like(p: torch.Tensor) -> torch.Tensor:
-    """A bf16 tensor sharded as `p` (a DTensor) or shaped as it, for DCP to read into."""
-    from torch.distributed.tensor import DTensor
-
-    local = torch.empty(local_shape(p)[0], dtype=torch.bfloat16, device=p.device)
-    if not isinstance(p, DTensor):
-        return local
-    return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
+    for form, bufs in plain:
+        if bufs:
+            form.fill(model, bufs)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import shutil
 import time
 from concurrent.futures import Future
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -48,8 +49,8 @@ from shardlm.data.tokenizer import TokenizerRef
 from shardlm.errors import CheckpointError, ConfigError, DataError
 from shardlm.fsutil import swap_in
 from shardlm.checkpoint.meta import CHANGEABLE, CheckpointMeta, data_changes, resume_changes
+from shardlm.checkpoint.stored import StoredForm, stored_names
 from shardlm.disk import disk_cause, disk_error
-from shardlm.quant.nf4 import nf4_params, nf4_pieces
 
 
 def read_keys(path: Path) -> set[str]:
@@ -141,12 +142,14 @@ class Checkpointer:
     `model` and `optimizer` go through `get_state_dict`/`set_state_dict` (sharded, reshardable: a
     plain `optimizer.state_dict()` would silently reset the AdamW moments on load); every entry of
     `states` is a `Stateful` (or a dict of tensors) saved and loaded under its key, e.g. the
-    trainer's step, RNG and data position.
+    trainer's step, RNG and data position. `forms`: the stored forms (checkpoint/stored.py) the model's
+    parameters may be held in (`shardlm.build.STORED_FORMS`).
     """
 
     def __init__(self, cfg: CheckpointSection, folder: Path, rank: int, model: nn.Module,
                  optimizer: torch.optim.Optimizer, states: dict[str, Any], log=print, trainable_only: bool = False,
-                 meta: CheckpointMeta | None = None, facts: RunFacts | None = None):
+                 meta: CheckpointMeta | None = None, facts: RunFacts | None = None, *,
+                 forms: Sequence[StoredForm]):
         unknown = [f for f in cfg.allow_changed if f not in CHANGEABLE]
         if unknown:
             raise ConfigError(f"checkpoint.allow_changed: unknown field(s) {', '.join(unknown)}; valid: "
@@ -159,12 +162,13 @@ class Checkpointer:
         self.resumed_record: Record | None = None
         self.model, self.optimizer, self.states = model, optimizer, states
         # trainable_only (LoRA adapters_only): the frozen base is not saved; it is re-read from its source.
-        # NF4 base weights (lora.base_dtype=nf4) are saved as their NF4 pieces (`nf4_pieces`: plain
-        # sharded tensors, ~0.52 bytes per weight; CheckpointReader dequantises them for the export) but
-        # never loaded back: the build re-quantised them from model.init_from (or the seed), bitwise the same.
-        self._nf4 = set(nf4_params(model)) if model is not None else set()
+        # Parameters held in a stored form (e.g. a QLoRA base) are saved as its pieces (plain sharded
+        # tensors; CheckpointReader reassembles them for the export) but never loaded back: the build refilled
+        # them from model.init_from (or the seed), bitwise the same.
+        self.forms = tuple(forms)
+        self._encoded = stored_names(model, self.forms)
         self.options = StateDictOptions(ignore_frozen_params=trainable_only,
-                                        strict=not (trainable_only or self._nf4))
+                                        strict=not (trainable_only or self._encoded))
         self._pending: tuple[Future, Path, Path] | None = None
         # The sidecar files (model_config.json, ...) rank 0 writes into every checkpoint before it is
         # published, so that `shardlm convert` can export a checkpoint on its own.
@@ -260,7 +264,7 @@ class Checkpointer:
             raise CheckpointError(f"{path} holds the model only (checkpoint.model_only); training cannot resume "
                                   "from it")
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=self.options)
-        model_sd = {k: v for k, v in model_sd.items() if k not in self._nf4}
+        model_sd = {k: v for k, v in model_sd.items() if k not in self._encoded}
         # A state with `load_template` is loaded at the checkpoint's own shapes, then handed over (it checks them).
         templates = {name: obj.load_template(saved_tensors(path, name)) for name, obj in self.states.items()
                      if hasattr(obj, "load_template")}
@@ -294,8 +298,9 @@ class Checkpointer:
         else:
             model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=self.options)
             state = {"model": model_sd, "optim": optim_sd, **{k: _tensors(v) for k, v in self.states.items()}}
-        if self._nf4:
-            state["model"] = nf4_pieces(state["model"])
+        if self._encoded:
+            for form in self.forms:
+                state["model"] = form.to_stored(state["model"])
         if self.cfg.async_ and not blocking:
             # async_save copies the state to host memory before returning: what lands on disk is
             # this step's state even though training goes on and changes the parameters.

@@ -1,16 +1,16 @@
 """Offline reads of one of our DCP checkpoints: one process, no process group, a few tensors at a time.
 
-`CheckpointReader(step_dir)` lists the `model.*` tensors (name without `model.` -> shape, dtype) from the
+`CheckpointReader(step_dir, forms)` lists the `model.*` tensors (name without `model.` -> shape, dtype) from the
 metadata alone and reads whole tensors on request with `dcp.load(no_dist=True)`; `.metadata` is parsed
-once however many reads follow. Used by the HF / peft export. A QLoRA base weight, stored as its NF4
-pieces, is listed and read as the bf16 weight it dequantises to.
+once however many reads follow. Used by the HF / peft export. A parameter held in a stored form (a QLoRA
+base weight: checkpoint/stored.py) is listed and read as the full tensor it stands for.
 """
 
 from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,8 +19,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from shardlm.checkpoint.manager import SafeLoadPlanner, read_keys
+from shardlm.checkpoint.stored import Pieces, StoredForm
 from shardlm.errors import CheckpointError
-from shardlm.quant.nf4 import NF4_KEY, from_pieces
 
 SINGLE_PROCESS_WARNING = r".*torch\.distributed is disabled.*"  # dcp's no_dist notice, once per call
 _MODEL = "model."
@@ -48,38 +48,47 @@ class _CachedReader(dcp.FileSystemReader):
 
 
 class CheckpointReader:
-    """The model tensors of a complete checkpoint folder; CheckpointError if it is not one."""
+    """The model tensors of a complete checkpoint folder; CheckpointError if it is not one.
 
-    def __init__(self, path: str | Path):
+    `forms`: the stored forms (checkpoint/stored.py) its parameters may be held in; such a parameter is
+    listed as the full tensor its pieces stand for and read reassembled. Without the right form, its pieces
+    show as tensors of their own (which the export then rejects by name).
+    """
+
+    def __init__(self, path: str | Path, forms: Sequence[StoredForm] = ()):
         self.path = Path(path)
         read_keys(self.path)  # the one completeness / readability check (CheckpointError)
         self._reader = _CachedReader(str(self.path))
         md = self._reader.read_metadata()
-        self.tensors: dict[str, TensorInfo] = {}
-        self._stored: dict[str, TensorInfo] = {}  # what the files hold, NF4 pieces included
+        self._stored: dict[str, TensorInfo] = {}  # what the files hold, the pieces of stored forms included
         for key, m in md.state_dict_metadata.items():
             if not key.startswith(_MODEL):
                 continue
             if not isinstance(m, TensorStorageMetadata):
                 raise CheckpointError(f"{self.path}: {key!r} is not a tensor")
             self._stored[key[len(_MODEL):]] = TensorInfo(tuple(m.size), m.properties.dtype)
-        # A QLoRA base weight is stored as its NF4 pieces (shardlm.quant.nf4.nf4_pieces): listed here as the
-        # bf16 weight they stand for, and read dequantised.
-        self.nf4: dict[str, dict[str, str]] = {}
-        for name in self._stored:
-            base, sep, piece = name.rpartition(NF4_KEY)
-            if sep:
-                self.nf4.setdefault(base, {})[piece] = name
-        shapes = self._read_stored([v["shape"] for v in self.nf4.values() if "shape" in v])
-        for name, info in self._stored.items():
-            if NF4_KEY not in name:
-                self.tensors[name] = info
-        for base, pieces in self.nf4.items():
-            if set(pieces) != {"data", "scalers", "factors", "mean", "shape"}:
-                raise CheckpointError(f"{self.path}: NF4 weight {base!r} is incomplete (has {sorted(pieces)})")
-            self.tensors[base] = TensorInfo(tuple(int(n) for n in shapes[pieces["shape"]].tolist()), torch.bfloat16)
+        # {name: its pieces} of the parameters held in a stored form, and that form
+        self.encoded: dict[str, Pieces] = {}
+        self._form: dict[str, StoredForm] = {}
+        for form in forms:
+            try:
+                grouped = form.group(self._stored)
+            except ValueError as e:
+                raise CheckpointError(f"{self.path}: {e}") from None
+            self.encoded.update(grouped)
+            self._form.update(dict.fromkeys(grouped, form))
+        pieces = {key for p in self.encoded.values() for key in p.values()}
+        self.tensors: dict[str, TensorInfo] = {name: info for name, info in self._stored.items() if name not in pieces}
+        self.tensors.update(self._describe())
         if not self.tensors:
             raise CheckpointError(f"{self.path}: no model.* tensors in this checkpoint")
+
+    def _describe(self) -> dict[str, TensorInfo]:
+        """The full tensors the stored forms' parameters stand for (their header pieces read in one go)."""
+        heads = {name: {h: pieces[h] for h in self._form[name].header} for name, pieces in self.encoded.items()}
+        got = self._read_stored([key for h in heads.values() for key in h.values()])
+        return {name: TensorInfo(*self._form[name].describe({h: got[k] for h, k in head.items()}))
+                for name, head in heads.items()}
 
     def _read_stored(self, names: Iterable[str]) -> dict[str, torch.Tensor]:
         out = {n: torch.empty(self._stored[n].shape, dtype=self._stored[n].dtype) for n in names}
@@ -90,16 +99,15 @@ class CheckpointReader:
         return out
 
     def read(self, names: Iterable[str]) -> dict[str, torch.Tensor]:
-        """Full tensors `names` (ours, no `model.` prefix), in the dtype they were saved in (an NF4 weight:
-        dequantised, bf16)."""
+        """Full tensors `names` (ours, no `model.` prefix), in the dtype they were saved in (one held in a
+        stored form: reassembled, in its form's dtype)."""
         names = list(names)
-        plain = [n for n in names if n not in self.nf4]
-        pieces = [p for n in names if n in self.nf4 for p in self.nf4[n].values()]
+        plain = [n for n in names if n not in self.encoded]
+        pieces = [p for n in names if n in self.encoded for p in self.encoded[n].values()]
         got = self._read_stored(plain + pieces)
-        if pieces:
-            for n in names:
-                if n in self.nf4:
-                    got[n] = from_pieces({k: got.pop(v) for k, v in self.nf4[n].items()})
+        for n in names:
+            if n in self.encoded:
+                got[n] = self._form[n].assemble({k: got.pop(v) for k, v in self.encoded[n].items()})
         return {n: got[n] for n in names}
 
     def batches(self, names: Iterable[str], max_bytes: int) -> Iterator[list[str]]:

@@ -23,7 +23,8 @@ ever holds more than its own shard in bf16.
 
 Checkpoints hold an NF4 weight as its plain pieces (`nf4_pieces`), never an NF4Tensor (DCP would pickle
 it); the export dequantises them (`from_pieces`, via CheckpointReader); a resume does not load them (the
-build has re-quantised the same bits from model.init_from or the seed).
+build has re-quantised the same bits from model.init_from or the seed). `NF4_FORM` is how checkpoint/ sees
+all this (its `StoredForm` protocol: checkpoint/ knows no NF4, and this module does not import it).
 
 Build order (shardlm.build): meta model -> LoRA -> `apply_nf4` (meta NF4 parameters: shapes only, no
 arithmetic) -> fully_shard (splits them into per-rank NF4 shards) -> to_empty -> each rank fills its
@@ -252,6 +253,7 @@ def quantize_into(model: nn.Module, fill, device: torch.device) -> None:
 # their concatenation is `to_nf4` of the whole weight; `X.nf4.mean` and `X.nf4.shape` (2 int64) are
 # the same on every rank. Plain tensors: DCP writes them as tensors (an NF4Tensor would be pickled).
 PIECES = {"data": "quantized_data", "scalers": "quantized_scalers", "factors": "quantization_factor"}
+ALL_PIECES = frozenset([*PIECES, "mean", "shape"])
 NF4_KEY = ".nf4."
 
 
@@ -283,3 +285,56 @@ def from_pieces(pieces: dict[str, torch.Tensor]) -> torch.Tensor:
     t = m.NF4Tensor(meta, BLOCK_SIZE, numel // BLOCK_SIZE, SCALER_BLOCK_SIZE, pieces["scalers"], pieces["factors"],
                     pieces["mean"].to(NF4_DTYPE), pieces["data"], _levels(pieces["data"].device))
     return t.get_original_weight()
+
+
+def _bf16_like(p: torch.Tensor) -> torch.Tensor:
+    """A bf16 tensor sharded as `p` (a DTensor) or shaped as it, for DCP to read into."""
+    local = torch.empty(local_shape(p)[0], dtype=NF4_DTYPE, device=p.device)
+    if not isinstance(p, DTensor):
+        return local
+    return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+class NF4Form:
+    """The NF4 base weights as a checkpoint holds them: shardlm.checkpoint.stored's `StoredForm` (duck-typed:
+    quant sits below checkpoint). Saved as their pieces (above); an init load reads the plain weight into
+    bf16 buffers of this rank's rows and quantises them (`quantize_into`)."""
+
+    header = ("shape",)
+
+    def names(self, model: nn.Module) -> set[str]:
+        return set(nf4_params(model))
+
+    def to_stored(self, state: dict) -> dict:
+        return nf4_pieces(state)
+
+    def group(self, keys: Iterable[str]) -> dict[str, dict[str, str]]:
+        out: dict[str, dict[str, str]] = {}
+        for key in keys:
+            base, sep, piece = key.rpartition(NF4_KEY)
+            if sep:
+                out.setdefault(base, {})[piece] = key
+        for base, pieces in out.items():
+            if set(pieces) != ALL_PIECES:
+                raise ValueError(f"NF4 weight {base!r} is incomplete (has {sorted(pieces)})")
+        return out
+
+    def describe(self, header: dict[str, torch.Tensor]) -> tuple[tuple[int, ...], torch.dtype]:
+        return tuple(int(n) for n in header["shape"].tolist()), NF4_DTYPE
+
+    def assemble(self, pieces: dict[str, torch.Tensor]) -> torch.Tensor:
+        return from_pieces(pieces)
+
+    def plain_like(self, param: torch.Tensor) -> torch.Tensor:
+        return _bf16_like(param)
+
+    def fill(self, model: nn.Module, plain: dict[str, torch.Tensor]) -> None:
+        """Quantise every NF4 parameter of `model` from `plain` (which holds each)."""
+        quantize_into(model, lambda name, *_: _local(plain[name]), next(iter(plain.values())).device)
+
+
+NF4_FORM = NF4Form()

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from shardlm.build import build_model, build_model_config, model_state_bytes
+from shardlm.build import STORED_FORMS, build_model, build_model_config, model_state_bytes
 from shardlm.checkpoint import Checkpointer
 from shardlm.checkpoint.lineage import RunFacts, Schedule
 from shardlm.checkpoint.meta import CheckpointMeta
@@ -128,7 +128,7 @@ class Trainer:
         cfg, wd = self.cfg, self.watchdog
         self.checkpointer = Checkpointer(cfg.checkpoint, self.checkpoint_dir, self.env.rank, self.model,
                                          self.optimizer, {"trainer": self.state}, log=self.log,
-                                         trainable_only=cfg.lora.adapters_only,
+                                         trainable_only=cfg.lora.adapters_only, forms=STORED_FORMS,
                                          meta=CheckpointMeta.from_config(cfg, self.model_cfg, self.run.tokenizer),
                                          facts=self.run_facts())
         self.session.on_close(self.checkpointer.close)

@@ -99,7 +99,7 @@ def _checker(cfg, tokenizer=None):
     from shardlm.checkpoint import Checkpointer
     from shardlm.checkpoint.lineage import RunFacts
 
-    return Checkpointer(cfg.checkpoint, cfg.checkpoint.dir, 1, None, None, {}, log=lambda line: None,
+    return Checkpointer(cfg.checkpoint, cfg.checkpoint.dir, 1, None, None, {}, log=lambda line: None, forms=(),
                         meta=CheckpointMeta.from_config(cfg, get_preset("debug"), tokenizer_spec(cfg)),
                         facts=RunFacts(tokenizer=tokenizer or None))
 
@@ -170,7 +170,7 @@ def test_resume_check_names_the_data_source_whose_content_changed(tmp_path):
         from shardlm.checkpoint import Checkpointer
 
         said: list[str] = []
-        Checkpointer(c.checkpoint, c.checkpoint.dir, 1, None, None, {}, log=said.append,
+        Checkpointer(c.checkpoint, c.checkpoint.dir, 1, None, None, {}, log=said.append, forms=(),
                      meta=CheckpointMeta.from_config(c, get_preset("debug"), tokenizer_spec(c)),
                      facts=RunFacts(data=data)).check(ck)
         return said

@@ -47,7 +47,11 @@ from shardlm.interop.hf.names import (
 from shardlm.interop.peft import peft_adapter_config, to_peft_state_dict
 from shardlm.lora import lora_delta
 from shardlm.models.llama import ModelConfig
+from shardlm.quant.nf4 import NF4_FORM
 
+# The stored forms our checkpoints' parameters may be held in (shardlm.build.STORED_FORMS, which sits above this
+# module): a QLoRA base, saved as its NF4 pieces, is read dequantised.
+STORED_FORMS = (NF4_FORM,)
 OUT_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 # Every tokenizer file transformers may save (5.x writes the chat template to chat_template.jinja): an export copies
 # each one the source folder has; a folder counts as a tokenizer folder if it has one of the first three.
@@ -391,7 +395,7 @@ def export_hf(
     """
     ck = Path(checkpoint_dir)
     out_dtype = _out_dtype(dtype)
-    reader = CheckpointReader(ck)
+    reader = CheckpointReader(ck, STORED_FORMS)
     meta = CheckpointMeta.load(ck)
     cfg = model_cfg or meta.require_model(ck)
     base, pairs = _lora_pairs(reader)
@@ -446,7 +450,7 @@ def export_peft_adapter(
     """
     ck, out = Path(checkpoint_dir), Path(out_dir)
     out_dtype = _out_dtype(dtype)
-    reader = CheckpointReader(ck)
+    reader = CheckpointReader(ck, STORED_FORMS)
     _, pairs = _lora_pairs(reader)
     if not pairs:
         raise ConfigError(f"{ck} holds no LoRA adapters (no *.lora_A / *.lora_B tensors)")
