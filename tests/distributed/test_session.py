@@ -4,12 +4,12 @@ starts and trains as the first did (on 2 and 4 gloo ranks)."""
 
 from __future__ import annotations
 
-import os
 import signal
 from pathlib import Path
 
 import pytest
 from helpers.launch import run_ranks
+from helpers.threads import thread_names
 
 TINY = ["--model.dim=32", "--model.n_layers=1", "--model.n_heads=2", "--model.n_kv_heads=2", "--model.ffn_dim=64",
         "--data.seq_len=32", "--train.micro_batch_size=2", "--train.steps=2", "--metrics.log_every=1",
@@ -20,8 +20,7 @@ def _left(out: Path) -> dict:
     """What a closed run may not leave behind: a process group, gloo threads, our signal handlers, a lock."""
     import torch.distributed as dist
 
-    threads = [Path(f"/proc/self/task/{t}/comm").read_text().strip() for t in os.listdir("/proc/self/task")]
-    return {"group": dist.is_initialized(), "gloo": [n for n in threads if "gloo" in n],
+    return {"group": dist.is_initialized(), "gloo": [n for n in thread_names() if "gloo" in n],
             "sigterm": signal.getsignal(signal.SIGTERM) is signal.SIG_DFL,
             "locks": sorted(str(p.relative_to(out)) for p in out.rglob("*.lock"))}
 

@@ -14,12 +14,13 @@ from pathlib import Path
 
 import pytest
 from helpers.launch import run_ranks
+from helpers.threads import thread_names
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="reads thread names from /proc")
 
 
 def _threads() -> list[str]:
-    return sorted(Path(f"/proc/self/task/{t}/comm").read_text().strip() for t in os.listdir("/proc/self/task"))
+    return thread_names()
 
 
 def _gloo(names: list[str]) -> list[str]:

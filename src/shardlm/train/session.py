@@ -68,13 +68,12 @@ class Session:
         rank with one line, exit 8) and the preemption handlers; the environment's lines on rank 0."""
         p = self.cfg.parallel
         self.env = env = self.plan.start()
-        self.stack.callback(shutdown_distributed)
+        self.stack.callback(self._teardown)  # the process group, then the watchdog: released last
         folder = self.run.checkpoint_dir
         self.watchdog = wd = Watchdog(env.rank, env.world_size, heartbeat_store(), p.init_timeout_s,
                                       local_world_size=self.topo.ranks_per_node,
                                       backend="nccl" if env.device.type == "cuda" else "gloo",
                                       tail=lambda: stands(folder), launcher_pid=launcher_of()).start()
-        self.stack.callback(self._teardown)
         install_test_stall(wd, os.environ.get("SHARDLM_TEST_STALL"))
         # From here on a SIGTERM is a request to checkpoint and stop, honoured after the next step
         # (and so is Ctrl-C, during the training loop).
@@ -116,7 +115,8 @@ class Session:
 
     def _teardown(self) -> None:
         shutdown_distributed()
-        self.watchdog.stop()  # after the teardown: one that hangs is still ended by the backstop
+        if self.watchdog is not None:
+            self.watchdog.stop()  # after the teardown: one that hangs is still ended by the backstop
 
     def on_rank0(self, fn: Callable[[], Any]) -> Any:
         """`fn()` on rank 0 (a setup step only rank 0 does); a shardlm error it raises stops every rank with
