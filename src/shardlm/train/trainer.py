@@ -24,7 +24,6 @@ from shardlm.config import Config
 from shardlm.data import MixtureLoader, build_loader, load_tokenizer, open_stores, parse_sources
 from shardlm.data.loader import IGNORE_INDEX, mixture_val_stores, open_val_store
 from shardlm.data.store import is_store
-from shardlm.distributed.env import shutdown_distributed
 from shardlm.distributed.preflight import BusyTime, StepTimes
 from shardlm.distributed.watchdog import set_timeouts
 from shardlm.errors import Interrupted
@@ -442,7 +441,5 @@ def train(cfg: Config) -> list[dict]:
         where = f"at step {trainer.step}" if trainer is not None else "during setup"
         raise Interrupted(f"interrupted {where}; {last_checkpoint(checkpoint_dir(cfg))}") from None
     finally:
-        if trainer is not None:
+        if trainer is not None:  # (a Trainer that failed to start gave back what it took already)
             trainer.close()
-        else:  # the Trainer failed part-way (its session gave back what it took): free any group left
-            shutdown_distributed()
