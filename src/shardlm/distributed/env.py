@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import itertools
 import os
 from dataclasses import dataclass
 from datetime import timedelta
@@ -67,10 +68,26 @@ def init_distributed(device: str = "auto", timeout_s: float | None = None) -> Di
         if problems := start_problems(os.environ, cuda=use_cuda):
             raise ConfigError(str(problems[0]))
         if launched:
-            dist.init_process_group(backend, device_id=dev if use_cuda else None, **timeout)
+            dist.init_process_group(backend, store=_joined_store(timeout), rank=int(os.environ["RANK"]),
+                                    world_size=int(os.environ["WORLD_SIZE"]), device_id=dev if use_cuda else None,
+                                    **timeout)
         else:
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, **timeout)
     return DistEnv(dist.get_rank(), dist.get_world_size(), local_rank, dev, backend)
+
+
+_JOINS = itertools.count()  # process groups this process has joined (every rank joins as often, in the same order)
+
+
+def _joined_store(timeout: dict) -> dist.Store:
+    """torchrun's store (env://: MASTER_ADDR/PORT, or torchrun's agent store), under a prefix of its own for each
+    time this process joins. The store outlives a process group: env:// shares one TCPStore server per port in
+    a process, torchrun's agent store lives as long as the agent, and torch restarts its group names ("0", "1",
+    ...) after destroy_process_group. Without the prefix a second run in one process reads the first run's
+    rendezvous keys for its new groups: gloo connects to a closed port (or waits on it) -- with
+    parallel.cp's extra mesh groups, already in the second Trainer."""
+    store, _, _ = next(dist.rendezvous("env://", **timeout))
+    return dist.PrefixStore(f"shardlm/join{next(_JOINS)}", store)
 
 
 def shutdown_distributed() -> None:
