@@ -26,6 +26,8 @@ from shardlm.lora import apply_lora, cast_frozen, is_lora_param, lora_layers
 from shardlm.models import ModelConfig, Transformer, get_preset
 from shardlm.parallel.ac import apply_ac
 from shardlm.parallel.compile import apply_compile
+from shardlm.parallel.cp import apply_context_parallel, check_cp
+from shardlm.parallel.dims import cp_size, fsdp_mesh
 from shardlm.parallel.fsdp import apply_fsdp, mp_policy, shard_view
 from shardlm.quant.fp8 import apply_fp8, check_fp8_hardware
 from shardlm.quant.nf4 import NF4_FORM, apply_nf4, check_shapes, is_nf4, nf4_nbytes, nf4_params, quantize_into
@@ -152,8 +154,12 @@ def build_model(cfg: Config, mc: ModelConfig, mesh: DeviceMesh | None, device: t
     FSDP's all-gather would give them (buffers stay fp32)."""
     t = cfg.train
     model = meta_model(cfg, mc, device.type)
-    if mesh is not None and base_dtype(cfg, device.type) == "nf4":
-        check_shapes(lora_layers(model), mesh.size(mesh.ndim - 1))  # the dp_shard dimension (last in an HSDP mesh)
+    shard_mesh = fsdp_mesh(mesh) if mesh is not None else None
+    if shard_mesh is not None and base_dtype(cfg, device.type) == "nf4":
+        check_shapes(lora_layers(model), shard_mesh.size(shard_mesh.ndim - 1))  # the shard dimension (last in HSDP)
+    if mesh is not None and cp_size(mesh) > 1:
+        check_cp(cp_size(mesh), mc.n_heads, mc.n_kv_heads, cfg.data.seq_len)
+        apply_context_parallel(model, mesh["cp"].get_group(), mesh["cp"].get_local_rank(), cp_size(mesh))
     if t.mixed_precision == "fp8":
         check_fp8_hardware(device, t.fp8_emulate)
         apply_fp8(model, t.fp8_recipe, t.fp8_emulate, uses_fp8_all_gather(cfg, device))
@@ -161,8 +167,8 @@ def build_model(cfg: Config, mc: ModelConfig, mesh: DeviceMesh | None, device: t
     if t.compile:
         apply_compile(model, t.compile_backend)
     policy = mp_policy(t.precision(device.type), t.reduce_dtype)
-    if mesh is not None:
-        apply_fsdp(model, mesh, policy, cfg.parallel.reshard_after_forward, cpu_offload=t.cpu_offload,
+    if shard_mesh is not None:
+        apply_fsdp(model, shard_mesh, policy, cfg.parallel.reshard_after_forward, cpu_offload=t.cpu_offload,
                    prefetch=cfg.parallel.prefetch)
     materialize(model, cfg, device)
     if mesh is None:

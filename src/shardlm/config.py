@@ -126,6 +126,11 @@ class ParallelSection:
         "model state sharded that way takes at most half of a device's memory, else shard over every rank; the "
         "startup line says which and why. Node boundaries come from the launcher (LOCAL_WORLD_SIZE, "
         "SLURM_NTASKS_PER_NODE), never guessed.")
+    cp: int = _f(
+        1, "Context-parallel degree: each sequence's tokens split over this many consecutive ranks, attention by "
+        "all-to-all over heads (Ulysses), so one sequence's activations shrink by cp; FSDP shards the parameters "
+        "over dp_shard x cp. Must divide the attention heads and data.seq_len; dp_replicate x dp_shard x cp = "
+        "world size. For sequences whose activations outgrow one GPU (docs/memory.md).")
     nvlink_domain: int = _f(
         0, "Ranks that share one NVLink domain, for parallel.dp_shard=auto; 0 = one node (the launcher's ranks per "
         "node). E.g. 72 on GB200 NVL72 racks.")
@@ -163,6 +168,8 @@ class ParallelSection:
         if isinstance(r, int) and not isinstance(r, bool) and r < 1:
             raise ConfigError(f"parallel.reshard_after_forward must be true, false, auto or a number of blocks >= 1, "
                               f"got {r}")
+        if self.cp < 1:
+            raise ConfigError(f"parallel.cp must be >= 1 (1 = no context parallelism), got {self.cp}")
         if self.prefetch < 1:
             raise ConfigError(f"parallel.prefetch must be >= 1 (1 = FSDP's implicit prefetch of the next block), "
                               f"got {self.prefetch}")

@@ -320,7 +320,7 @@ def run_comm_bench(cfg: Config, sizes: list[int] | None = None, max_size: int | 
     estimate, more_notes = _step_estimate(cfg, mc, mb, pdims, rows, env.device, param_dtype)
     return {
         "world_size": env.world_size, "backend": env.backend, "device": str(env.device), "torch": torch.__version__,
-        "mesh": {"dp_replicate": pdims.dp_replicate, "dp_shard": pdims.dp_shard},
+        "mesh": {"dp_replicate": pdims.dp_replicate, "dp_shard": pdims.dp_shard, "cp": pdims.cp},
         "mesh_reason": reason or "from the config",
         "model": {"name": cfg.model.init_from or cfg.model.preset, **asdict(mb), "param_dtype": param_dtype,
                   "reduce_dtype": reduce_dtype},

@@ -118,7 +118,8 @@ class Validator(Due):
                 count += int((y != IGNORE_INDEX).sum())
         finally:
             model.train(was_training)
-        return torch.tensor([nll.item(), float(count)], dtype=torch.float64)
+        cp = getattr(model, "context_parallel", None)  # parallel.cp: each rank of the group saw these whole rows
+        return torch.tensor([nll.item(), float(count) / (cp.size if cp is not None else 1)], dtype=torch.float64)
 
 
 def _metrics(sums: list[float], n_bytes: int | None, t0: float) -> dict[str, Any]:

@@ -331,6 +331,10 @@ class KVCache:
 
 
 class Attention(nn.Module):
+    # parallel.cp: the CP group's exchange (`shardlm.parallel.cp.Ulysses`), set from outside; None: the whole
+    # sequence is here. A plain attribute, not a module: the model never calls torch.distributed itself.
+    context_parallel: Any = None
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
@@ -358,25 +362,36 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(b, t, self.n_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
+        cp = self.context_parallel
+        if cp is not None:  # this rank's T / cp tokens -> the whole sequence for H / cp heads (cos, sin, mask: whole)
+            q, k, v = cp.qkv_to_heads(q, k, v)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if kv is not None:
             k, v = kv.update(k, v)
         if mask is not None and not isinstance(mask, torch.Tensor):  # flex: the kernel does GQA itself
-            y = _flex_fns()[0](q, k, v, block_mask=mask, enable_gqa=self.n_kv_heads != self.n_heads)
-            return self.o_proj(y.transpose(1, 2).reshape(b, t, -1))
+            y = _flex_fns()[0](q, k, v, block_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
+            return self._out(y, b, t)
         gqa = {}
-        if self.n_kv_heads != self.n_heads:  # GQA: query head h reads kv head h // n_rep
+        if q.shape[1] != k.shape[1]:  # GQA: query head h reads kv head h // n_rep
             if kv is not None:  # SDPA maps the heads itself: no copy of a cache that grows with the prefix
                 gqa = {"enable_gqa": True}
             else:
-                rep = self.n_heads // self.n_kv_heads
+                rep = q.shape[1] // k.shape[1]
                 k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
         if mask is None:  # causal; one token after a cache (T < S) reads every key
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=t == k.shape[2], **gqa)
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=q.shape[2] == k.shape[2], **gqa)
         else:
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **gqa)
-        return self.o_proj(y.transpose(1, 2).reshape(b, t, -1))
+        return self._out(y, b, t)
+
+    def _out(self, y: torch.Tensor, b: int, t: int) -> torch.Tensor:
+        """(B, heads, T, D) attention output -> o_proj of this rank's (B, t) tokens (with parallel.cp: back from
+        whole sequences for a share of the heads to this rank's slice for every head)."""
+        y = y.transpose(1, 2)
+        if self.context_parallel is not None:
+            y = self.context_parallel.to_sequence(y)
+        return self.o_proj(y.reshape(b, t, -1))
 
 
 class MLP(nn.Module):
@@ -461,6 +476,7 @@ class Transformer(nn.Module):
     # How `forward(tokens, positions)` masks documents: "auto" (`document_attention_backend` of the
     # tokens' device), "flex" or "sdpa-mask". Set it on the model (or the class) to force one.
     document_attention: str = "auto"
+    context_parallel: Any = None  # parallel.cp: see `Attention.context_parallel` and `forward`
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -492,6 +508,12 @@ class Transformer(nn.Module):
         """
         if labels is not None and (cache is not None or last_only):
             raise ValueError("labels (a training loss) go with neither a KV cache nor last_only")
+        cp = self.context_parallel
+        if cp is not None:
+            if cache is not None or last_only:
+                raise ValueError("a context-parallel model trains and evaluates whole rows: no KV cache, no "
+                                 "last_only (generate without parallel.cp)")
+            cp.check_length(tokens.shape[1])
         if cache is not None:
             if positions is not None:
                 raise ValueError("positions come from the KV cache (its length and padding); pass one or the other")
@@ -515,6 +537,9 @@ class Transformer(nn.Module):
             if backend == "auto":
                 backend = document_attention_backend(tokens.device)[0]
             mask = document_mask(positions, backend)
+        if cp is not None:  # RoPE tables and the mask cover the whole row; tokens and targets: this rank's slice
+            tokens = cp.local(tokens)
+            labels = cp.local(labels) if labels is not None else None
         h = self.embed_tokens(tokens)
         for i, layer in enumerate(self.layers):
             if cache is not None:

@@ -10,8 +10,10 @@ reduce-scatters stay on NVLink and only the once-per-step gradient all-reduce cr
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
+import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -64,21 +66,27 @@ def launch_topology(environ: Mapping[str, str] = os.environ) -> Topology:
 
 @dataclass(frozen=True)
 class ParallelDims:
+    """dp_replicate x dp_shard x cp = world_size. Ranks are laid out row-major over (dp_replicate, dp_shard, cp):
+    a CP group is `cp` consecutive ranks (inside a node: its all-to-alls stay on NVLink)."""
+
     dp_replicate: int
     dp_shard: int  # -1 = fill the rest of the world
     world_size: int
+    cp: int = 1  # context-parallel degree (`shardlm.parallel.cp`)
 
     def __post_init__(self) -> None:
+        cp = f" x parallel.cp={self.cp}" if self.cp > 1 else ""
         if self.dp_shard == -1:
-            if self.world_size % self.dp_replicate:
+            if self.world_size % (self.dp_replicate * self.cp):
                 raise ConfigError(
-                    f"parallel.dp_replicate={self.dp_replicate} does not divide the world size {self.world_size}; "
-                    f"pick a divisor of {self.world_size} or launch a multiple of {self.dp_replicate} ranks")
-            object.__setattr__(self, "dp_shard", self.world_size // self.dp_replicate)
-        if self.dp_replicate * self.dp_shard != self.world_size:
+                    f"parallel.dp_replicate={self.dp_replicate}{cp} does not divide the world size "
+                    f"{self.world_size}; pick a divisor of {self.world_size} or launch a multiple of "
+                    f"{self.dp_replicate * self.cp} ranks")
+            object.__setattr__(self, "dp_shard", self.world_size // (self.dp_replicate * self.cp))
+        if self.dp_replicate * self.dp_shard * self.cp != self.world_size:
             raise ConfigError(
-                f"mesh parallel.dp_replicate={self.dp_replicate} x parallel.dp_shard={self.dp_shard} = "
-                f"{self.dp_replicate * self.dp_shard} ranks, but the world size is {self.world_size}; "
+                f"mesh parallel.dp_replicate={self.dp_replicate} x parallel.dp_shard={self.dp_shard}{cp} = "
+                f"{self.dp_replicate * self.dp_shard * self.cp} ranks, but the world size is {self.world_size}; "
                 f"make them multiply to {self.world_size} (or set parallel.dp_shard=-1)")
 
     @property
@@ -87,19 +95,62 @@ class ParallelDims:
         return self.dp_replicate * self.dp_shard
 
     @property
+    def grad_ranks(self) -> int:
+        """Ranks whose gradients FSDP averages: every rank (CP ranks hold other tokens of the same rows)."""
+        return self.dp * self.cp
+
+    @property
     def hsdp(self) -> bool:
         return self.dp_replicate > 1
 
     def build_mesh(self, device_type: str) -> DeviceMesh:
-        """`("dp_shard",)` for FSDP or `("dp_replicate", "dp_shard")` for HSDP; FSDP2 takes either."""
-        if self.hsdp:
-            return init_device_mesh(device_type, (self.dp_replicate, self.dp_shard),
-                                    mesh_dim_names=("dp_replicate", "dp_shard"))
-        return init_device_mesh(device_type, (self.dp_shard,), mesh_dim_names=("dp_shard",))
+        """`("dp_shard",)` for FSDP or `("dp_replicate", "dp_shard")` for HSDP, with a last `"cp"` dimension
+        when parallel.cp > 1 (then FSDP takes `fsdp_mesh(mesh)`)."""
+        shape = ((self.dp_replicate,) if self.hsdp else ()) + (self.dp_shard,) + ((self.cp,) if self.cp > 1 else ())
+        names = (("dp_replicate",) if self.hsdp else ()) + ("dp_shard",) + (("cp",) if self.cp > 1 else ())
+        mesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
+        if self.cp > 1:
+            mesh["dp_shard", "cp"]._flatten("dp_shard_cp")  # FSDP's shard dimension (private in torch 2.11-2.13)
+        return mesh
+
+
+def fsdp_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The mesh FSDP shards over: `mesh` itself, or with parallel.cp its dp_shard and cp dimensions as one."""
+    names = mesh.mesh_dim_names or ()
+    if "cp" not in names:
+        return mesh
+    with warnings.catch_warnings():  # torch 2.11-2.13 warn that slicing a flattened dim "will be deprecated"
+        warnings.filterwarnings("ignore", message="Slicing a flattened dim")
+        return mesh["dp_replicate", "dp_shard_cp"] if "dp_replicate" in names else mesh["dp_shard_cp"]
+
+
+def cp_size(mesh: DeviceMesh) -> int:
+    return mesh.size(list(mesh.mesh_dim_names).index("cp")) if "cp" in (mesh.mesh_dim_names or ()) else 1
 
 
 def resolve_dims(p: ParallelSection, topo: Topology, state_bytes: Callable[[], int],
                  device_bytes: int) -> tuple[ParallelDims, str]:
+    """ParallelDims for the config's degrees (see `_resolve_dp`); with parallel.cp > 1 the data-parallel degrees
+    are resolved over the world_size / cp CP groups, each `cp` consecutive ranks, as if each were one rank
+    (the model state shards over dp_shard x cp)."""
+    cp = p.cp
+    if cp == 1:
+        return _resolve_dp(p, topo, state_bytes, device_bytes)
+    if topo.world_size % cp:
+        raise ConfigError(f"parallel.cp={cp} does not divide the world size {topo.world_size}; pick a divisor of "
+                          f"{topo.world_size} or launch a multiple of {cp} ranks")
+    if p.dp_replicate != "auto" and p.dp_shard != "auto":
+        return ParallelDims(p.dp_replicate, p.dp_shard, topo.world_size, cp), ""
+    groups = Topology(topo.world_size // cp, max(1, topo.ranks_per_node // cp), topo.source)
+    per_group = dataclasses.replace(p, nvlink_domain=p.nvlink_domain // cp if p.nvlink_domain else 0)
+    dims, why = _resolve_dp(per_group, groups, lambda: state_bytes() // cp, device_bytes)
+    if why:
+        why += f" (each CP group of {cp} consecutive ranks counted as one)"
+    return ParallelDims(dims.dp_replicate, dims.dp_shard, topo.world_size, cp), why
+
+
+def _resolve_dp(p: ParallelSection, topo: Topology, state_bytes: Callable[[], int],
+                device_bytes: int) -> tuple[ParallelDims, str]:
     """ParallelDims for the config's degrees, with `auto` resolved, and why (empty when nothing was auto).
 
     Both auto: shard within a node (or within parallel.nvlink_domain ranks) and replicate across them
@@ -147,5 +198,10 @@ def device_memory_bytes(device_type: str, local_rank: int, ranks_per_node: int) 
 
 
 def dp_rank(mesh: DeviceMesh) -> int:
-    """This rank's index among the data-parallel ranks (row-major over the mesh)."""
-    return mesh.get_local_rank() if mesh.ndim == 1 else mesh.get_local_rank(0) * mesh.size(1) + mesh.get_local_rank(1)
+    """This rank's index among the data-parallel ranks (row-major over the mesh's dp dimensions; the ranks of
+    one CP group share it: they read the same rows)."""
+    index = 0
+    for d, name in enumerate(mesh.mesh_dim_names or ("dp_shard",) * mesh.ndim):
+        if name != "cp":
+            index = index * mesh.size(d) + mesh.get_local_rank(d)
+    return index

@@ -120,8 +120,8 @@ def measure(cfg: Config, world_size: int, usable_bytes: int, name: str, override
     t = cfg.train
     peak = Breakdown.from_flat(step.peak)
     hsdp = cfg.parallel.dp_replicate not in (1, "auto") and world_size > 1
-    device = device_terms(peak.total, step.reserved, world_size, hsdp)
-    offload_device = device_terms(step.offload, step.offload_reserved, world_size, hsdp)
+    device = device_terms(peak.total, step.reserved, world_size, hsdp, cfg.parallel.cp)
+    offload_device = device_terms(step.offload, step.offload_reserved, world_size, hsdp, cfg.parallel.cp)
     scen = Scenario(name=name, world_size=world_size, micro_batch_size=t.micro_batch_size, seq_len=cfg.data.seq_len,
                     grad_accum=t.grad_accum, ac=t.ac, lora_rank=cfg.lora.rank, cpu_offload=t.cpu_offload,
                     peak=peak, model_state=Breakdown.from_flat(step.model_state), offload_peak_bytes=step.offload,
@@ -231,7 +231,7 @@ def plan(cfg: Config, world_size: int, gpu_mem_gib: float, gpus_per_node: int = 
     reshard_note = auto_reshard_note(cfg, mc, base.peak_bytes, gpu_mem_gib, world_size)
     notes = ([dims_note] if dims_note else []) + ([reshard_note] if reshard_note else []) + \
         _notes(cfg, shape_note, backend) + ([base.note] if base.note else [])
-    shard = ParallelDims(cfg.parallel.dp_replicate, cfg.parallel.dp_shard, world_size).dp_shard
+    shard = ParallelDims(cfg.parallel.dp_replicate, cfg.parallel.dp_shard, world_size, cfg.parallel.cp).dp_shard
     host = host_terms(cfg, base, min(gpus_per_node, world_size), shard)
     report = PlanReport(model=cfg.model.init_from or cfg.model.preset, n_params=step.n_params,
                         trainable_params=step.trainable, world_size=world_size, gpus_per_node=gpus_per_node,
@@ -242,7 +242,8 @@ def plan(cfg: Config, world_size: int, gpu_mem_gib: float, gpus_per_node: int = 
         return measure(variant, ws, usable, name, overrides, exact=exact, document_attention=backend)[0]
 
     if alternatives:
-        report.alternatives = (search_alternatives(cfg, base, usable, gpus_per_node, run, notes) if not base.fits
+        report.alternatives = (search_alternatives(cfg, base, usable, gpus_per_node, run, notes, mc.n_heads)
+                               if not base.fits
                                else fitting_extras(cfg, base, usable, gpus_per_node, run))
     report.seconds = time.perf_counter() - t0
     return report

@@ -17,7 +17,8 @@ The tensors (FSDPMemTracker's categories) are measured by the fake step; these a
   used: 688 MB measured for a communicator of more than 2 GPUs (NVIDIA/nccl#964, 4 x A100); derived from
   NCCL's source (v2.30, src/transport/p2p.cc, nvls.cc): ~12 MiB per channel and algorithm, plus 256 MiB of
   NVLink-SHARP buffers on 8 x H100/H200 nodes unless NCCL_NVLS_ENABLE=0. FSDP over one mesh dimension uses the
-  default process group's communicator (1); HSDP adds one per mesh dimension (3). None on one rank.
+  default process group's communicator (1); HSDP adds one per mesh dimension (3); context parallelism two (the CP
+  group, FSDP's flattened dp_shard x cp group). None on one rank.
 
 Not modelled, inside the planner's headroom: kernels' transient workspaces (flash attention's backward keeps
 an fp32 dq buffer of B x S x H x D x 4 bytes per attention call: 128 MiB at 1 x 8192 x 32 x 128; cuDNN
@@ -35,12 +36,12 @@ CUDA_CONTEXT = 500 * MIB
 NCCL_PER_COMMUNICATOR = 688 * 10**6  # NVIDIA/nccl#964
 
 
-def communicators(world_size: int, hsdp: bool) -> int:
+def communicators(world_size: int, hsdp: bool, cp: int = 1) -> int:
     """NCCL communicators a run creates: none on one rank, the default group's for FSDP, + one per dimension
-    for HSDP."""
+    for HSDP; parallel.cp > 1 adds two (the CP group's all-to-alls, FSDP's dp_shard x cp group)."""
     if world_size == 1:
         return 0
-    return 3 if hsdp else 1
+    return (3 if hsdp else 1) + (2 if cp > 1 else 0)
 
 
 def cublas_workspaces() -> list[tuple[int, object, int, str]]:
@@ -72,6 +73,6 @@ class DeviceTerms:
         return self.reserved + self.context + self.nccl
 
 
-def device_terms(tensors: int, reserved: int, world_size: int, hsdp: bool) -> DeviceTerms:
-    n = communicators(world_size, hsdp)
+def device_terms(tensors: int, reserved: int, world_size: int, hsdp: bool, cp: int = 1) -> DeviceTerms:
+    n = communicators(world_size, hsdp, cp)
     return DeviceTerms(tensors, max(reserved, tensors), CUDA_CONTEXT, n * NCCL_PER_COMMUNICATOR, n)

@@ -204,7 +204,7 @@ def fake_step(cfg: Config, world_size: int, mc: ModelConfig | None = None, phase
               document_attention: str = "auto") -> StepMemory:
     """One fake training step of `cfg` on `world_size` ranks, every layer of its model (or of `mc`);
     document masks (data.document_mask) with `document_attention` (see `shardlm.plan.attention`)."""
-    dims = ParallelDims(cfg.parallel.dp_replicate, cfg.parallel.dp_shard, world_size)
+    dims = ParallelDims(cfg.parallel.dp_replicate, cfg.parallel.dp_shard, world_size, cfg.parallel.cp)
     mc = mc if mc is not None else model_config(cfg)[0]
     run = planned_config(cfg)
     t = run.train

@@ -55,6 +55,7 @@ class Search:
     usable: int
     gpus_per_node: int
     measure: Measure
+    n_heads: int = 0  # the model's attention heads (parallel.cp must divide them); 0: CP is not tried
     out: list[Scenario] = field(default_factory=list)
     # (ranks, lora rank, lora base dtype) -> a measured scenario whose model state bounds every variant like it
     bounds: dict[tuple[int, int, str], Scenario] = field(default_factory=dict)
@@ -97,6 +98,12 @@ class Search:
             if self.run(label, overrides, ranks=k).fits:
                 return
 
+    def context_parallel(self, prefix: str, overrides: dict[str, Any]) -> None:
+        """The largest parallel.cp a node takes, on the same ranks (one plan): each sequence's activations split
+        over a CP group inside a node; the parameters shard over dp_shard x cp, as before."""
+        for cp in cp_degrees(self.cfg, self.base.world_size, self.gpus_per_node, self.n_heads)[-1:]:
+            self.run(f"{prefix}parallel.cp={cp}", {**overrides, "parallel.cp": cp, "parallel.dp_shard": -1})
+
     def micro_batches(self, notes: list[str]) -> None:
         """micro_batch_size=1, then the largest that fits (the peak is ~linear in it)."""
         mb = self.cfg.train.micro_batch_size
@@ -110,10 +117,26 @@ class Search:
                      "train.grad_sync=micro_batch that costs no memory)")
 
 
+def cp_degrees(cfg: Config, world_size: int, gpus_per_node: int, n_heads: int) -> list[int]:
+    """Context-parallel degrees worth planning for `cfg`: none when it already uses CP; else 2, 4, 8, ... up to a
+    node (a CP group's all-to-alls stay on NVLink) that divide the `n_heads` attention heads, data.seq_len and
+    the ranks left after parallel.dp_replicate."""
+    if cfg.parallel.cp != 1:
+        return []
+    rep = cfg.parallel.dp_replicate if isinstance(cfg.parallel.dp_replicate, int) else 1
+    out, cp = [], 2
+    while cp <= min(gpus_per_node, world_size):
+        if n_heads % cp == 0 and cfg.data.seq_len % cp == 0 and world_size % (rep * cp) == 0:
+            out.append(cp)
+        cp *= 2
+    return out
+
+
 def alternatives(cfg: Config, base: Scenario, usable: int, gpus_per_node: int, measure: Measure,
-                 notes: list[str]) -> list[Scenario]:
-    """Alternatives for a config that does not fit: each knob alone, then combined with train.ac=full."""
-    s = Search(cfg, base, usable, gpus_per_node, measure)
+                 notes: list[str], n_heads: int = 0) -> list[Scenario]:
+    """Alternatives for a config that does not fit: each knob alone, then combined with train.ac=full
+    (parallel.cp among them for a model of `n_heads` heads)."""
+    s = Search(cfg, base, usable, gpus_per_node, measure, n_heads=n_heads)
     ac_full = s.run("train.ac=full", AC_FULL) if cfg.train.ac != "full" else None
     if not base.cpu_offload:
         s.offload(base, "train.cpu_offload=true")
@@ -121,6 +144,7 @@ def alternatives(cfg: Config, base: Scenario, usable: int, gpus_per_node: int, m
     for knob in KNOBS:
         if knob.applies(cfg):
             s.run(knob.name, knob.overrides)
+    s.context_parallel("", {})
     if cfg.train.micro_batch_size > 1:
         s.micro_batches(notes)
     if any(x.fits for x in s.out) or ac_full is None:
@@ -130,6 +154,7 @@ def alternatives(cfg: Config, base: Scenario, usable: int, gpus_per_node: int, m
                                                          keep=False)
         s.offload(measured, "train.ac=full + cpu_offload")
     s.more_ranks("train.ac=full + ", AC_FULL)
+    s.context_parallel("train.ac=full + ", AC_FULL)
     for knob in COMBINED_WITH_AC:
         if knob.applies(cfg):
             s.run(f"train.ac=full + {knob.name}", {**AC_FULL, **knob.overrides})

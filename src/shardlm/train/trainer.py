@@ -240,7 +240,8 @@ class Trainer:
         # mean busy time per step in its own slot (a sum of one-hot vectors = a gather, no extra collective).
         ctrl_c = stop_requested and self.preemption.interrupted
         slots = self.busy.slots(self.env.rank, self.env.world_size) if self.logs_next_step() else []
-        targets = sum(int((b[1] != IGNORE_INDEX).sum()) for b in batches)  # a batch: (x, y) or (x, y, positions)
+        # a batch: (x, y) or (x, y, positions), whole rows: the ranks of a CP group count the same targets
+        targets = sum(int((b[1] != IGNORE_INDEX).sum()) for b in batches) / self.dims.cp
         counts = torch.tensor([float(targets), float(stop_requested), float(ctrl_c), *slots])
         wd.enter("token-count all-reduce")
         self.busy.arrive()
@@ -249,7 +250,7 @@ class Trainer:
         self.timer.lap("data")  # includes the wait for the slowest rank's batch (the count all-reduce)
         n_tokens, stop, ctrl_c = counts[:3].tolist()
         self.rank_step_times = counts[3:].tolist() if slots else None
-        loss_sum = forward_backward(self.model, batches, self.dims.dp / n_tokens, self.env.device, t.grad_sync,
+        loss_sum = forward_backward(self.model, batches, self.dims.grad_ranks / n_tokens, self.env.device, t.grad_sync,
                                     self.dims.hsdp, loss_chunk_tokens=t.loss_chunk_tokens,
                                     sdpa_backends=self.sdpa_backends)
         wd.enter("grad-norm all-reduce")
@@ -405,6 +406,8 @@ class Trainer:
             f"{m['tokens'] / 1e6:.2f}M tokens, {self.loader.n_rows} sequences of {d.seq_len} | global batch "
             f"{self.loader.global_batch} seqs = {tokens_per_step} tokens/step | "
             f"{fastpath_note(self.sdpa_backends, self.sdpa_note, self.model, self.optimizer)}")
+        if (cp := self.model.context_parallel) is not None:  # parallel.cp: which exchange, how the heads split
+            self.log(f"{cp.describe(mc.n_heads, mc.n_kv_heads)}; {d.seq_len // cp.size} of {d.seq_len} tokens per rank")
 
     def check_mixture(self) -> None:
         """A mixture whose epoch caps cannot feed train.steps fails now, not mid-run; its plan is logged."""

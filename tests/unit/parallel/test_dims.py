@@ -93,3 +93,39 @@ def test_the_planner_resolves_auto_like_the_trainer():
     assert "HSDP 2 x 8" in note and cfg.parallel.dp_shard == "auto"  # the caller's config is untouched
     resolved, note = resolve_auto(load_config(None, ["--model.preset=llama3_70b", *AUTO]), mc, 16, 8, 80)
     assert (resolved.parallel.dp_replicate, resolved.parallel.dp_shard) == (1, 16)
+
+
+def test_cp_is_a_third_dimension_of_consecutive_ranks():
+    dims, why = _dims(["--parallel.cp=2"], Topology(8, 8, "x"), 1)
+    assert (dims.dp_replicate, dims.dp_shard, dims.cp, dims.dp, dims.grad_ranks, why) == (1, 4, 2, 4, 8, "")
+    dims, _ = _dims(["--parallel.cp=2", "--parallel.dp_replicate=2"], Topology(8, 4, "x"), 1)
+    assert (dims.dp_replicate, dims.dp_shard, dims.cp) == (2, 2, 2)
+    # auto counts a CP group as one rank: 16 ranks of 8 per node, cp 2 -> 8 groups of 4 per node; the state
+    # sharded within a node is still 40 GiB per rank
+    dims, why = _dims([*AUTO, "--parallel.cp=2"], Topology(16, 8, "LOCAL_WORLD_SIZE"), state_gib=8 * 40)
+    assert (dims.dp_replicate, dims.dp_shard, dims.cp) == (2, 4, 2)
+    assert why.startswith("auto: HSDP 2 x 4") and "40.00 GiB" in why and "CP group of 2" in why
+    with pytest.raises(ConfigError, match="parallel.cp=3 does not divide the world size 8"):
+        _dims(["--parallel.cp=3"], Topology(8, 8, "x"), 1)
+    with pytest.raises(ConfigError, match=r"parallel.dp_shard=2 x parallel.cp=2 = 4 ranks, but the world size is 8"):
+        _dims(["--parallel.cp=2", "--parallel.dp_shard=2"], Topology(8, 8, "x"), 1)
+    with pytest.raises(ConfigError, match="parallel.cp must be >= 1"):
+        load_config(None, ["--parallel.cp=0"])
+
+
+def test_cp_degrees_the_model_and_sequence_take():
+    from shardlm.parallel.cp import check_cp
+    from shardlm.plan.device import communicators
+    from shardlm.plan.search import cp_degrees
+
+    cfg = load_config(None, ["--model.preset=debug", "--data.seq_len=64"])
+    assert cp_degrees(cfg, 8, 8, n_heads=4) == [2, 4]  # 8 does not divide 4 heads
+    assert cp_degrees(cfg, 8, 8, n_heads=32) == [2, 4, 8] and cp_degrees(cfg, 16, 4, n_heads=32) == [2, 4]
+    assert cp_degrees(load_config(None, ["--parallel.cp=2"]), 8, 8, n_heads=32) == []  # already CP
+    check_cp(1, 4, 2, 63)  # nothing to split
+    with pytest.raises(ConfigError, match="must divide the model's 4 attention heads"):
+        check_cp(8, 4, 2, 64)
+    with pytest.raises(ConfigError, match="data.seq_len=63; make data.seq_len a multiple of 2"):
+        check_cp(2, 4, 2, 63)
+    assert (communicators(1, False), communicators(8, False), communicators(8, False, 2),
+            communicators(16, True, 2)) == (0, 1, 3, 5)

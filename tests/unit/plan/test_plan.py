@@ -170,7 +170,13 @@ def test_every_plan_command_the_docs_show_runs_on_a_fresh_checkout(capsys):
     cmds = {m.group(1).split("[")[0].strip().rstrip("`") for f in texts
             for m in re.finditer(r"shardlm plan (--config [^\n`]+)", f.read_text())}
     assert cmds, "no plan command found in the docs"
-    for cmd in sorted(cmds):
+    # a recipe's own cluster (`# cluster:` line) is planned by test_recipes.test_gpu_recipe_fits_its_cluster, which
+    # asserts more (it fits, with a margin): not planned twice
+    recipe = re.compile(r"--config (configs/\S+\.toml) --nodes (\d+) --gpus-per-node (\d+) --gpu-mem-gib (\S+)")
+    covered = {cmd for cmd in cmds if (m := recipe.fullmatch(cmd)) and
+               f"# cluster: nodes={m[2]} gpus-per-node={m[3]} gpu-mem-gib={m[4]}" in (root / m[1]).read_text()}
+    assert len(cmds - covered) >= 3, (cmds, covered)
+    for cmd in sorted(cmds - covered):
         rc = main(["plan", *shlex.split(cmd), "--no-alternatives", "--json"])
         out = capsys.readouterr()
         assert rc in (0, 3), (cmd, out.err[-2000:])
@@ -348,3 +354,28 @@ def test_reshard_after_forward_auto_never_plans_more_than_true():
     # a GPU that the planned peak almost fills: no extra block
     tight = auto_reshard_note(cfg, mc, true.base.peak_bytes, true.base.peak_bytes / GIB / 0.9 + 1e-9, 4)
     assert f"keeps 1 of {mc.n_layers}" in tight, tight
+
+
+def test_the_search_offers_context_parallelism_when_it_makes_a_long_sequence_fit():
+    """A 512k-token sequence of the debug model on 2 GPUs of 6.5 GiB: too much activation for one rank; the
+    search's parallel.cp=2 (a real plan: the sliced model and its all-to-alls on the fake group) fits. The other
+    knobs are not planned here (they answer as the base)."""
+    from shardlm.plan import measure
+    from shardlm.plan.search import alternatives
+
+    cfg = _cfg("--model.preset=debug", "--data.seq_len=524288", "--train.micro_batch_size=1",
+               "--train.mixed_precision=bf16", ac="full")
+    usable = int(6.5 * 0.9 * GIB)
+    base = measure(cfg, 2, usable, "as configured")[0]
+    assert not base.fits
+    planned = []
+
+    def run(variant, ws, name, overrides):
+        if "parallel.cp" not in overrides:
+            return dataclasses.replace(base, name=name)
+        planned.append(name)
+        return measure(variant, ws, usable, name, overrides)[0]
+
+    out = {s.name: s for s in alternatives(cfg, base, usable, 2, run, [], n_heads=4)}
+    assert planned == ["parallel.cp=2"]  # it fits: not tried again with full AC
+    assert out["parallel.cp=2"].fits and out["parallel.cp=2"].peak_bytes < base.peak_bytes
