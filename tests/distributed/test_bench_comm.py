@@ -154,12 +154,41 @@ def _count_traffic(configs: list[list[str]]) -> list[tuple[dict, tuple]]:
     return out
 
 
-def test_traffic_model_matches_fsdp2():
-    configs = [["--train.grad_accum=2"],  # reduce-scatter per micro-batch, all-reduce once; the root gathered once
-               ["--train.grad_accum=2", "--train.grad_sync=step", "--parallel.reshard_after_forward=false",
-                "--lora.rank=4"]]  # LoRA: frozen weights gathered, adapters reduced
-    for overrides, (seen, model) in zip(configs, run_ranks(4, _count_traffic, configs)):
+def _traffic_and_cp(configs: list[list[str]]) -> tuple[list, list[dict]]:
+    """_count_traffic, then `measure_mesh` over a dp_shard=2 x cp=2 mesh (parallel.cp's all-to-all)."""
+    import torch
+
+    from shardlm.bench.comm import measure_mesh
+    from shardlm.parallel.dims import ParallelDims
+
+    traffic = _count_traffic(configs)
+    mesh = ParallelDims(1, 2, 4, cp=2).build_mesh("cpu")
+    fsdp = {c: ("fsdp", MIB, "fp32") for c in ("all_gather", "reduce_scatter", "all_reduce")}
+    fsdp["all_to_all"] = ("cp: one layer", MIB, "fp32")
+    rows, dims = measure_mesh(mesh, fsdp, [2 * MIB], torch.device("cpu"), 2, 1)
+    return traffic, rows
+
+
+CONFIGS = [["--train.grad_accum=2"],  # reduce-scatter per micro-batch, all-reduce once; the root gathered once
+           ["--train.grad_accum=2", "--train.grad_sync=step", "--parallel.reshard_after_forward=false",
+            "--lora.rank=4"]]  # LoRA: frozen weights gathered, adapters reduced
+
+
+@pytest.fixture(scope="module")
+def results():
+    return run_ranks(4, _traffic_and_cp, CONFIGS)
+
+
+def test_traffic_model_matches_fsdp2_and_cp_measures_its_all_to_all(results):
+    traffic, rows = results
+    for overrides, (seen, model) in zip(CONFIGS, traffic):
         assert (seen["all_gather"], seen["reduce_scatter"], seen["all_reduce"]) == model, overrides
+    # the cp dimension runs the all-to-all only (at its layer size and the sweep), the dp_shard one FSDP's three
+    assert {(r["dim"], r["collective"]) for r in rows} == {("cp", "all_to_all"), ("dp_shard", "all_gather"),
+                                                          ("dp_shard", "reduce_scatter"), ("dp_shard", "all_reduce")}
+    cp = [r for r in rows if r["dim"] == "cp"]
+    assert [r["label"] for r in cp] == ["cp: one layer", "sweep"] and [r["size_bytes"] for r in cp] == [MIB, 2 * MIB]
+    assert all(r["error"] is None and r["busbw_gbps"] == pytest.approx(r["algbw_gbps"] / 2) for r in cp), cp
 
 
 # -- the command under torchrun ----------------------------------------------------------------------
@@ -179,7 +208,7 @@ def four_ranks(tmp_path_factory) -> tuple[subprocess.CompletedProcess, str]:
 
 def test_json_has_busbw_for_both_dims_and_all_collectives(four_ranks):
     rep = json.loads(four_ranks[0].stdout)
-    assert rep["world_size"] == 4 and rep["mesh"] == {"dp_replicate": 2, "dp_shard": 2}
+    assert rep["world_size"] == 4 and rep["mesh"] == {"dp_replicate": 2, "dp_shard": 2, "cp": 1}
     for dim in ("dp_replicate", "dp_shard"):
         for c in ("all_gather", "reduce_scatter", "all_reduce"):
             rows = [r for r in rep["results"] if r["dim"] == dim and r["collective"] == c]

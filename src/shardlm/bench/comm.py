@@ -78,10 +78,10 @@ def sweep_sizes(max_size: int, min_size: int = SWEEP_MIN) -> list[int]:
 
 
 def bus_factor(collective: str, n: int) -> float:
-    """nccl-tests' busbw / algbw: 2(n-1)/n for all-reduce, (n-1)/n for all-gather and reduce-scatter."""
+    """nccl-tests' busbw / algbw: 2(n-1)/n for all-reduce, (n-1)/n for all-gather, reduce-scatter and all-to-all."""
     if collective == "all_reduce":
         return 2 * (n - 1) / n
-    if collective in ("all_gather", "reduce_scatter"):
+    if collective in ("all_gather", "reduce_scatter", "all_to_all"):
         return (n - 1) / n
     raise ValueError(f"unknown collective {collective!r}")
 
@@ -225,6 +225,9 @@ def _make_op(collective: str, size: int, n: int, dtype: torch.dtype, device: tor
         return (lambda: dist.all_reduce(full, group=group)), full.numel() * esize
     numel = max(size // (esize * n), 1) * n
     full = torch.zeros(numel, dtype=dtype, device=device)
+    if collective == "all_to_all":  # parallel.cp's exchange: S = each rank's buffer, 1/n of it to each peer
+        out = torch.zeros_like(full)
+        return (lambda: dist.all_to_all_single(out, full, group=group)), numel * esize
     shard = torch.zeros(numel // n, dtype=dtype, device=device)
     if collective == "all_gather":
         return (lambda: _ALL_GATHER(full, shard, group=group)), numel * esize
@@ -312,6 +315,10 @@ def run_comm_bench(cfg: Config, sizes: list[int] | None = None, max_size: int | 
             "reduce_scatter": ("fsdp: one block's grads", mb.block_reduce_bytes, reduce_dtype),
             "all_reduce": (f"fsdp: one block's grad shard (/{pdims.dp_shard})",
                            mb.block_reduce_bytes // pdims.dp_shard, reduce_dtype)}
+    if pdims.cp > 1:  # one attention layer's exchange: this rank's q, k and v slice (the output comes back alike)
+        tokens = cfg.train.micro_batch_size * cfg.data.seq_len // pdims.cp
+        fsdp["all_to_all"] = (f"cp: one layer's q, k, v ({tokens} tokens)", tokens * mc.head_dim *
+                              (mc.n_heads + 2 * mc.n_kv_heads) * DTYPES[param_dtype].itemsize, param_dtype)
     rows, dims = measure_mesh(plan.build_mesh(env), fsdp, sizes, env.device, iters, warmup)
     notes += [f"{d['name']}: 1 rank per group, nothing to measure (skipped)" for d in dims if d["skipped"]]
     largest = busbw_at_largest(rows)
@@ -343,7 +350,7 @@ def measure_mesh(mesh: Any, fsdp: Mapping[str, tuple[str, int, str]], sizes: lis
         if n == 1:
             continue
         group = mesh.get_group(name)
-        for c in COLLECTIVES:
+        for c in (("all_to_all",) if name == "cp" else COLLECTIVES):  # the CP group only exchanges activations
             fsdp_label, fsdp_size, dtype_name = fsdp[c]
             for label, size in [(fsdp_label, fsdp_size)] + [("sweep", s) for s in sizes]:
                 if size <= 0:
