@@ -55,7 +55,7 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
     sizes = args.gpu_mem_gib
     if args.max is not None:
         rep = plan_max(cfg, args.max, args.nodes * args.gpus_per_node, sizes, args.gpus_per_node, **opt,
-                       exact=args.exact)
+                       exact=args.exact, with_cp=True)
         print(rep.to_json() if args.json else rep.format())
         return 0 if all(r.value is not None for r in rep.rows) else PLAN_DOES_NOT_FIT
     if len(sizes) > 1:

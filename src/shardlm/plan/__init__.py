@@ -88,7 +88,7 @@ from shardlm.plan.host import host_terms
 from shardlm.plan.maxfit import KEYS, MaxReport, largest_fitting
 from shardlm.plan.report import DEFAULT_HEADROOM, GIB, Breakdown, PlanReport, Scenario
 from shardlm.plan.search import alternatives as search_alternatives
-from shardlm.plan.search import fitting_extras
+from shardlm.plan.search import cp_degrees, fitting_extras, variant
 from shardlm.resolve import base_dtype
 
 
@@ -250,8 +250,11 @@ def plan(cfg: Config, world_size: int, gpu_mem_gib: float, gpus_per_node: int = 
 
 
 def plan_max(cfg: Config, key: str, world_size: int, sizes_gib: list[float], gpus_per_node: int = 8,
-             headroom: float = DEFAULT_HEADROOM, exact: bool = False, document_attention: str = "auto") -> MaxReport:
-    """The largest `key` (data.seq_len or train.micro_batch_size) that fits each GPU size (`shardlm.plan.maxfit`)."""
+             headroom: float = DEFAULT_HEADROOM, exact: bool = False, document_attention: str = "auto",
+             with_cp: bool = False) -> MaxReport:
+    """The largest `key` (data.seq_len or train.micro_batch_size) that fits each GPU size (`shardlm.plan.maxfit`).
+    `with_cp`: for data.seq_len without parallel.cp, the same search again with the largest CP degree a node
+    takes (`search.cp_degrees`), in `cp` / `cp_rows`."""
     t0 = time.perf_counter()
     backend, _ = _check(world_size, sizes_gib, headroom, document_attention)
     mc, shape_note = model_config(cfg)
@@ -266,9 +269,15 @@ def plan_max(cfg: Config, key: str, world_size: int, sizes_gib: list[float], gpu
     notes.append(f"fits: the plan's GPU total within usable memory ({headroom:.0%} headroom); "
                  f"{key} in steps of {KEYS[key][0]}")
     section, name = key.split(".")
-    return MaxReport(key=key, model=cfg.model.init_from or cfg.model.preset, world_size=world_size,
-                     configured=getattr(getattr(cfg, section), name), rows=rows, plans=plans, notes=notes,
-                     seconds=time.perf_counter() - t0)
+    rep = MaxReport(key=key, model=cfg.model.init_from or cfg.model.preset, world_size=world_size,
+                    configured=getattr(getattr(cfg, section), name), rows=rows, plans=plans, notes=notes)
+    degrees = cp_degrees(cfg, world_size, gpus_per_node, mc.n_heads) if with_cp and key == "data.seq_len" else []
+    if degrees:
+        rep.cp = degrees[-1]
+        with_cp_cfg = variant(cfg, {"parallel.cp": rep.cp, "parallel.dp_shard": -1})
+        rep.cp_rows = largest_fitting(with_cp_cfg, key, sizes_gib, headroom, need)[0]
+    rep.seconds = time.perf_counter() - t0
+    return rep
 
 
 __all__ = ["Breakdown", "Scenario", "PlanReport", "PlanError", "plan", "plan_max", "measure", "GIB",

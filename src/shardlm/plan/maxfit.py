@@ -42,11 +42,15 @@ class MaxReport:
     plans: dict[int, int] = field(default_factory=dict)  # value -> planned GPU bytes, every plan run
     notes: list[str] = field(default_factory=list)
     seconds: float = 0.0
+    cp: int = 1  # the parallel.cp of `cp_rows`, the same search with context parallelism (1: none was run)
+    cp_rows: list[MaxRow] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         return {"key": self.key, "model": self.model, "world_size": self.world_size, "configured": self.configured,
                 "rows": [dataclasses.asdict(r) for r in self.rows], "plans": {str(k): v for k, v in self.plans.items()},
-                "notes": self.notes, "seconds": round(self.seconds, 2)}
+                "notes": self.notes, "seconds": round(self.seconds, 2),
+                "with_cp": {"cp": self.cp, "rows": [dataclasses.asdict(r) for r in self.cp_rows]} if self.cp_rows
+                else None}
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=1)
@@ -55,16 +59,25 @@ class MaxReport:
         lines = [f"shardlm plan --max {self.key}: {self.model} on {self.world_size} rank(s) (configured: "
                  f"{self.key}={self.configured:,})", "",
                  f"  {'GPU':>10}  {'largest ' + self.key:>24}  {'on the GPU at it':>16}  {'of usable':>12}"]
-        for r in self.rows:
-            if r.value is None:
-                lines.append(f"  {r.gpu_mem_gib:>6g} GiB  {'none fits':>24}")
-                continue
-            val = f"{'>= ' if r.capped else ''}{r.value:,}"
-            lines.append(f"  {r.gpu_mem_gib:>6g} GiB  {val:>24}  {fmt_bytes(r.peak_bytes):>16}  "
-                         f"{fmt_bytes(r.usable_bytes):>12}")
+        lines += _row_lines(self.rows)
+        if self.cp_rows:
+            lines += ["", f"  with parallel.cp={self.cp} (each sequence split over {self.cp} ranks; same ranks):",
+                      *_row_lines(self.cp_rows)]
         lines += [f"  note: {n}" for n in self.notes]
         lines.append(f"  ({len(self.plans)} plans, {self.seconds:.1f}s)")
         return "\n".join(lines)
+
+
+def _row_lines(rows: list[MaxRow]) -> list[str]:
+    lines = []
+    for r in rows:
+        if r.value is None:
+            lines.append(f"  {r.gpu_mem_gib:>6g} GiB  {'none fits':>24}")
+            continue
+        val = f"{'>= ' if r.capped else ''}{r.value:,}"
+        lines.append(f"  {r.gpu_mem_gib:>6g} GiB  {val:>24}  {fmt_bytes(r.peak_bytes):>16}  "
+                     f"{fmt_bytes(r.usable_bytes):>12}")
+    return lines
 
 
 def _grid(key: str, v: int) -> int:

@@ -3,6 +3,8 @@ train.micro_batch_size whose plan fits, checked against plans of the answer and 
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from shardlm.cli import main
@@ -42,6 +44,11 @@ def test_nothing_fits_a_tiny_gpu_and_the_cli(capsys):
                  *BASE]) == 3  # the 0.5 GiB GPU fits nothing
     out = capsys.readouterr().out
     assert "largest data.seq_len" in out and "none fits" in out
+    # the same search with context parallelism (2 GPUs per node: cp=2), below the one without. On 2 GiB it fits
+    # nothing: CP's two more NCCL communicators (2 x 656 MiB) outweigh what the debug model's activations save
+    # (on 6 GiB it goes from 77,184 tokens to 102,528: docs/long-context.md)
+    without, with_cp = out.split("with parallel.cp=2 (each sequence split over 2 ranks; same ranks):")
+    assert re.search(r"2 GiB\s+[\d,]+\s", without) and with_cp.count("none fits") == 2, out
     assert main(["plan", "--gpu-mem-gib", "24,48", "--gpus-per-node", "2", *BASE]) == 2  # a row needs --max
     assert "--gpu-mem-gib takes one size" in capsys.readouterr().err
     for bad in ("nan", "inf", "-8", "24,nan"):  # one line, exit 2: not a traceback
