@@ -77,17 +77,24 @@ def init_distributed(device: str = "auto", timeout_s: float | None = None) -> Di
 
 
 _JOINS = itertools.count()  # process groups this process has joined (every rank joins as often, in the same order)
+_STORES: dict[tuple[str, ...], dist.Store] = {}  # the launcher's store, kept for the life of the process
 
 
 def _joined_store(timeout: dict) -> dist.Store:
     """torchrun's store (env://: MASTER_ADDR/PORT, or torchrun's agent store), under a prefix of its own for each
-    time this process joins. The store outlives a process group: env:// shares one TCPStore server per port in
-    a process, torchrun's agent store lives as long as the agent, and torch restarts its group names ("0", "1",
-    ...) after destroy_process_group. Without the prefix a second run in one process reads the first run's
-    rendezvous keys for its new groups: gloo connects to a closed port (or waits on it) -- with
-    parallel.cp's extra mesh groups, already in the second Trainer."""
-    store, _, _ = next(dist.rendezvous("env://", **timeout))
-    return dist.PrefixStore(f"shardlm/join{next(_JOINS)}", store)
+    time this process joins.
+
+    torch restarts its group names ("0", "1", ...) after destroy_process_group, but the store's keys stay
+    (torchrun's agent store outlives the group; env:// shares one TCPStore per port in a process): without a
+    prefix per join a second run in one process reads the first run's rendezvous keys for its new groups and
+    gloo connects to a closed port or waits on it (with parallel.cp's mesh groups, already in the second
+    Trainer). And the store itself is kept for the process: with env:// rank 0 hosts the TCPStore server,
+    which would shut down with the first run's group while the other ranks still talk to it."""
+    key = tuple(os.environ.get(k, "") for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE",
+                                                "TORCHELASTIC_RUN_ID"))
+    if key not in _STORES:
+        _STORES[key] = next(dist.rendezvous("env://", **timeout))[0]
+    return dist.PrefixStore(f"shardlm/join{next(_JOINS)}", _STORES[key])
 
 
 def shutdown_distributed() -> None:
