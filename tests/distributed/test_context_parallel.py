@@ -8,7 +8,6 @@ over dp_shard x cp (the local shard sizes say so).
 
 from __future__ import annotations
 
-import json
 
 import pytest
 from helpers.launch import run_ranks
@@ -19,22 +18,13 @@ STEPS, REL = 4, 1e-5
 
 @pytest.fixture(scope="module")
 def stores(tmp_path_factory, corpus):
-    from shardlm.data.sources import resolve_sources
-    from shardlm.data.store.prepare import PrepareSpec, prepare, sft_spec
-    from shardlm.data.tokenizer import ByteTokenizer
+    from helpers.stores import sft_store, text_store
 
     d = tmp_path_factory.mktemp("cp_data")
     text = corpus.read_text()
-    docs = [text[i : i + 150 + (i % 7) * 20] for i in range(0, 80_000, 300)]  # documents shorter than a row
-    (d / "docs.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in docs))
-    records = [{"prompt": f"what is {i} plus {i}?", "completion": f"{i} plus {i} is {2 * i}."} for i in range(200)]
-    (d / "sft.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-    quiet = lambda _: None  # noqa: E731
-    prepare(PrepareSpec(resolve_sources(str(d / "docs.jsonl")), "bytes", ByteTokenizer.fingerprint, "text",
-                        val_fraction=0.05, seed=1), d / "text", workers=1, log=quiet)
-    spec = sft_spec([d / "sft.jsonl"], ByteTokenizer(), None)
-    spec.val_fraction, spec.seed = 0.2, 1
-    prepare(spec, d / "sft", workers=1, log=quiet)
+    text_store([text[i : i + 150 + (i % 7) * 20] for i in range(0, 80_000, 300)], d / "text", 0.05)  # short docs
+    sft_store([{"prompt": f"what is {i} plus {i}?", "completion": f"{i} plus {i} is {2 * i}."} for i in range(200)],
+              d / "sft", 0.2)
     return d
 
 

@@ -24,25 +24,15 @@ def _records(n: int) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def stores(tmp_path_factory, corpus):
-    from shardlm.data.sources import resolve_sources
-    from shardlm.data.store.prepare import PrepareSpec, prepare, sft_spec
-    from shardlm.data.tokenizer import ByteTokenizer
+    from helpers.stores import sft_store, text_store
 
     d = tmp_path_factory.mktemp("val")
     text = corpus.read_text()
     docs = [text[i : i + 400] for i in range(0, 160_000, 400)]
-    (d / "docs.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in docs))
-    (d / "sft.jsonl").write_text("".join(json.dumps(r) + "\n" for r in _records(300)))
-    quiet = lambda _: None  # noqa: E731
-    prepare(PrepareSpec(resolve_sources(str(d / "docs.jsonl")), "bytes", ByteTokenizer.fingerprint, "text",
-                        val_fraction=0.05, seed=1), d / "text", workers=1, log=quiet)
+    text_store(docs, d / "text", 0.05)
     # a second source for a mixture: other documents, its own validation split
-    (d / "docs_b.jsonl").write_text("".join(json.dumps({"text": t[::-1]}) + "\n" for t in docs[:200]))
-    prepare(PrepareSpec(resolve_sources(str(d / "docs_b.jsonl")), "bytes", ByteTokenizer.fingerprint, "text",
-                        val_fraction=0.1, seed=1), d / "text_b", workers=1, log=quiet)
-    spec = sft_spec([d / "sft.jsonl"], ByteTokenizer(), None)
-    spec.val_fraction, spec.seed = 0.2, 1
-    prepare(spec, d / "sft", workers=1, log=quiet)
+    text_store([t[::-1] for t in docs[:200]], d / "text_b", 0.1)
+    sft_store(_records(300), d / "sft", 0.2)
     return d
 
 

@@ -175,7 +175,7 @@ def test_every_plan_command_the_docs_show_runs_on_a_fresh_checkout(capsys):
     recipe = re.compile(r"--config (configs/\S+\.toml) --nodes (\d+) --gpus-per-node (\d+) --gpu-mem-gib (\S+)")
     covered = {cmd for cmd in cmds if (m := recipe.fullmatch(cmd)) and
                f"# cluster: nodes={m[2]} gpus-per-node={m[3]} gpu-mem-gib={m[4]}" in (root / m[1]).read_text()}
-    assert len(cmds - covered) >= 3, (cmds, covered)
+    assert len(cmds - covered) >= 2, (cmds, covered)
     for cmd in sorted(cmds - covered):
         rc = main(["plan", *shlex.split(cmd), "--no-alternatives", "--json"])
         out = capsys.readouterr()
