@@ -130,7 +130,8 @@ class ParallelSection:
         1, "Context-parallel degree: each sequence's tokens split over this many consecutive ranks, attention by "
         "all-to-all over heads (Ulysses), so one sequence's activations shrink by cp; FSDP shards the parameters "
         "over dp_shard x cp. Must divide the attention heads and data.seq_len; dp_replicate x dp_shard x cp = "
-        "world size. For sequences whose activations outgrow one GPU (docs/memory.md).")
+        "world size. For sequences whose activations outgrow one GPU (docs/long-context.md); training and validation "
+        "only (generate and eval refuse it).")
     nvlink_domain: int = _f(
         0, "Ranks that share one NVLink domain, for parallel.dp_shard=auto; 0 = one node (the launcher's ranks per "
         "node). E.g. 72 on GB200 NVL72 racks.")

@@ -234,6 +234,10 @@ def load_for_inference(*, hf: str | os.PathLike | None = None, checkpoint: str |
     cfg.train.ac, cfg.train.compile, cfg.train.cpu_offload = "none", False, False
     if cfg.train.mixed_precision == "fp8":
         raise ConfigError("generation runs in bf16 or fp32: drop train.mixed_precision=fp8 (or set it to auto)")
+    if cfg.parallel.cp != 1:  # not dropped quietly: the mesh degrees given with it would no longer multiply up
+        raise ConfigError(f"parallel.cp={cfg.parallel.cp} is a training layout: generation and evaluation run whole "
+                          "sequences (with a KV cache) on every rank; drop parallel.cp (and set parallel.dp_shard "
+                          "to fill the ranks, e.g. -1)")
     tokenizer = tokenizer or (cfg.data.tokenizer if cfg.data.tokenizer != "auto" else None)
     ck, pairs, scaling, adapters_only = None, {}, 0.0, False
     if hf is not None:

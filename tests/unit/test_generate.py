@@ -270,3 +270,13 @@ def test_greedy_equals_transformers_generate_from_hf_and_from_dcp(arch, tmp_path
                                    eos_token_id=list(inf.stop_ids), pad_token_id=0)[0, len(p):].tolist()
             assert c.ids == want, (arch, source, p)
         assert len({tuple(c.ids) for c in got}) == 3 and max(len(c.ids) for c in got) == n
+
+
+def test_a_context_parallel_config_is_refused_for_generation_in_one_line():
+    """A training config with parallel.cp reused for generate/eval: one ConfigError, before anything is read."""
+    from shardlm.config import load_config
+    from shardlm.inference import load_for_inference
+
+    with pytest.raises(ConfigError, match="parallel.cp=2 is a training layout") as e:
+        load_for_inference(hf="/nonexistent", cfg=load_config(None, ["--parallel.cp=2"]))
+    assert "\n" not in str(e.value)
