@@ -157,9 +157,9 @@ def build_model(cfg: Config, mc: ModelConfig, mesh: DeviceMesh | None, device: t
     shard_mesh = fsdp_mesh(mesh) if mesh is not None else None
     if shard_mesh is not None and base_dtype(cfg, device.type) == "nf4":
         check_shapes(lora_layers(model), shard_mesh.size(shard_mesh.ndim - 1))  # the shard dimension (last in HSDP)
-    if mesh is not None and cp_size(mesh) > 1:
-        check_cp(cp_size(mesh), mc.n_heads, mc.n_kv_heads, cfg.data.seq_len)
-        apply_context_parallel(model, mesh["cp"].get_group(), mesh["cp"].get_local_rank(), cp_size(mesh))
+    if (cp := cp_size(mesh) if mesh is not None else 1) > 1:
+        check_cp(cp, mc.n_heads, cfg.data.seq_len)
+        apply_context_parallel(model, mesh["cp"].get_group(), mesh["cp"].get_local_rank(), cp)
     if t.mixed_precision == "fp8":
         check_fp8_hardware(device, t.fp8_emulate)
         apply_fp8(model, t.fp8_recipe, t.fp8_emulate, uses_fp8_all_gather(cfg, device))

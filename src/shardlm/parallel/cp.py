@@ -35,16 +35,12 @@ class Ulysses:
     """The attention exchange of one CP group (`group`, this rank at `rank` of `size`), for a model with
     `n_heads` query and `n_kv_heads` key/value heads. Set on the model by `apply_context_parallel`."""
 
-    name = "ulysses"
-
     def __init__(self, group, rank: int, size: int, n_heads: int, n_kv_heads: int):
         self.group, self.rank, self.size = group, rank, size
         self.kv_repeat = 1 if n_kv_heads % size == 0 else n_heads // n_kv_heads
 
     def check_length(self, t: int) -> None:
-        if t % self.size:
-            raise ConfigError(f"parallel.cp={self.size} splits each sequence into {self.size} equal slices, but a "
-                              f"row has {t} tokens; make data.seq_len a multiple of {self.size}")
+        check_length(self.size, t)
 
     def local(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's contiguous slice of a (B, T, ...) tensor along T."""
@@ -87,16 +83,21 @@ class Ulysses:
                 f"sequences with {n_heads // self.size} of {n_heads} query and {kv} KV heads{note}")
 
 
-def check_cp(cp: int, n_heads: int, n_kv_heads: int, seq_len: int) -> None:
-    """One ConfigError line for a CP degree the model or the sequence length cannot take."""
+def check_length(cp: int, t: int) -> None:
+    """One ConfigError line for rows of `t` tokens that `cp` ranks cannot split evenly."""
+    if t % cp:
+        raise ConfigError(f"parallel.cp={cp} splits each sequence into {cp} equal slices, but data.seq_len="
+                          f"{t}; make data.seq_len a multiple of {cp}")
+
+
+def check_cp(cp: int, n_heads: int, seq_len: int) -> None:
+    """One ConfigError line for a CP degree the model's heads or the sequence length cannot take."""
     if cp <= 1:
         return
     if n_heads % cp:
         raise ConfigError(f"parallel.cp={cp} must divide the model's {n_heads} attention heads (Ulysses gives each "
                           f"CP rank a whole number of heads); pick a divisor of {n_heads}")
-    if seq_len % cp:
-        raise ConfigError(f"parallel.cp={cp} splits each sequence into {cp} equal slices, but data.seq_len="
-                          f"{seq_len}; make data.seq_len a multiple of {cp}")
+    check_length(cp, seq_len)
 
 
 def apply_context_parallel(model: nn.Module, group, rank: int, size: int) -> Ulysses:

@@ -1,7 +1,8 @@
 """One optimizer step's forward and backward, the one copy the trainer and the planner both run.
 
 The loss is a mean over every target token of the global batch: each rank sums its token losses
-and scales them by dp / (global target-token count), since FSDP averages gradients over dp.
+and scales them by its FSDP group's ranks (dp, times parallel.cp: CP ranks hold other tokens of the same
+rows) / (global target-token count), since FSDP averages gradients over those ranks.
 A micro-batch is (inputs, labels), or (inputs, labels, positions) for document-masked packed rows
 (`shardlm.data.packing`): the positions go to the model, and masked labels are simply not targets.
 The model computes the loss itself (`Transformer.forward(..., labels=)`), `loss_chunk_tokens` tokens of

@@ -122,10 +122,10 @@ def test_cp_degrees_the_model_and_sequence_take():
     assert cp_degrees(cfg, 8, 8, n_heads=4) == [2, 4]  # 8 does not divide 4 heads
     assert cp_degrees(cfg, 8, 8, n_heads=32) == [2, 4, 8] and cp_degrees(cfg, 16, 4, n_heads=32) == [2, 4]
     assert cp_degrees(load_config(None, ["--parallel.cp=2"]), 8, 8, n_heads=32) == []  # already CP
-    check_cp(1, 4, 2, 63)  # nothing to split
+    check_cp(1, 4, 63)  # nothing to split
     with pytest.raises(ConfigError, match="must divide the model's 4 attention heads"):
-        check_cp(8, 4, 2, 64)
+        check_cp(8, 4, 64)
     with pytest.raises(ConfigError, match="data.seq_len=63; make data.seq_len a multiple of 2"):
-        check_cp(2, 4, 2, 63)
+        check_cp(2, 4, 63)
     assert (communicators(1, False), communicators(8, False), communicators(8, False, 2),
             communicators(16, True, 2)) == (0, 1, 3, 5)
