@@ -181,3 +181,20 @@ def dynamo_no_cache_limit():
     from torch._dynamo import utils as dynamo_utils
 
     return getattr(dynamo_utils, "disable_cache_limit", None)
+
+
+def has_grouped_mm() -> bool:
+    """Whether a grouped bf16 matmul kernel exists for this torch and GPU: `torch.nn.functional.grouped_mm`
+    (public in 2.13; 2.11 has `torch._grouped_mm`), on compute capability >= 9.0 (the kernel torchtitan's MoE
+    uses on Hopper; earlier GPUs take the per-expert loop). Unproven on a GPU here: see docs/moe.md."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0):
+        return False
+    return hasattr(torch.nn.functional, "grouped_mm") or hasattr(torch, "_grouped_mm")
+
+
+def grouped_mm(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """a (n, k) rows grouped by `offsets` (int32 ends of each group) times b (G, k, m) -> (n, m)."""
+    fn = getattr(torch.nn.functional, "grouped_mm", None)
+    if fn is not None:
+        return fn(a, b, offs=offsets)
+    return torch._grouped_mm(a, b, offs=offsets)

@@ -1,7 +1,8 @@
 """A Llama-family decoder in plain PyTorch.
 
 Covers Llama 2/3/3.1 (RoPE with Llama-3.1 frequency scaling), Mistral, Qwen2 (q/k/v bias) and
-Qwen3 (per-head q/k RMSNorm): RMSNorm, rotary embeddings, grouped-query attention through
+Qwen3 (per-head q/k RMSNorm), and their mixtures of experts (Qwen3-MoE, Mixtral, Qwen2-MoE: the sparse
+feed-forward of `shardlm.models.moe` in the blocks `ModelConfig.is_moe_layer` names): RMSNorm, rotary embeddings, grouped-query attention through
 `scaled_dot_product_attention`, SwiGLU, optional tied embeddings. Module names follow Hugging
 Face's (`layers.N.self_attn.q_proj`, ...) so checkpoints map one-to-one and LoRA targets read
 the same as in peft.
@@ -41,6 +42,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from shardlm.models.moe import MoE, expert_param_count
+
 IGNORE_INDEX = -100  # a label that is not a target (cross_entropy's default; shardlm.data uses the same)
 
 
@@ -70,6 +73,16 @@ class ModelConfig:
     tie_embeddings: bool = False
     qkv_bias: bool = False  # Qwen2
     qk_norm: bool = False  # Qwen3
+    # Mixture of experts (models/moe.py); n_experts = 0: every block has the dense SwiGLU of ffn_dim.
+    n_experts: int = 0
+    n_experts_per_tok: int = 0  # top-k
+    moe_ffn_dim: int = 0  # each expert's SwiGLU hidden size
+    norm_topk_prob: bool = True  # renormalise the top-k probabilities (Mixtral: always; Qwen3-MoE: its config)
+    moe_layer_step: int = 1  # HF decoder_sparse_step: block i is sparse when (i + 1) % step == 0 ...
+    dense_layers: tuple[int, ...] = ()  # ... and i is not one of these (HF mlp_only_layers)
+    shared_expert_ffn_dim: int = 0  # Qwen2-MoE's shared expert (0: none)
+    router_aux_loss_coef: float = 0.0  # HF's load-balancing loss coefficient (training only)
+    router_z_loss_coef: float = 0.0  # router z-loss (ST-MoE); none of the HF families sets one
 
     def __post_init__(self) -> None:
         if self.n_kv_heads is None:
@@ -78,24 +91,45 @@ class ModelConfig:
             object.__setattr__(self, "head_dim", self.dim // self.n_heads)
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads})")
+        object.__setattr__(self, "dense_layers", tuple(self.dense_layers))
+        if self.n_experts:
+            if not 1 <= self.n_experts_per_tok <= self.n_experts or self.moe_ffn_dim < 1 or self.moe_layer_step < 1:
+                raise ValueError(f"a mixture of experts needs 1 <= n_experts_per_tok <= n_experts ({self.n_experts}), "
+                                 f"moe_ffn_dim >= 1 and moe_layer_step >= 1; got {self.n_experts_per_tok}, "
+                                 f"{self.moe_ffn_dim}, {self.moe_layer_step}")
 
-    def num_params(self, exclude_embedding: bool = False) -> int:
-        """Exact parameter count, computed from the shapes (no model needed)."""
+    def is_moe_layer(self, i: int) -> bool:
+        """Whether block i has the sparse MoE feed-forward (HF's rule: decoder_sparse_step, mlp_only_layers)."""
+        return bool(self.n_experts) and i not in self.dense_layers and (i + 1) % self.moe_layer_step == 0
+
+    @property
+    def n_moe_layers(self) -> int:
+        return sum(self.is_moe_layer(i) for i in range(self.n_layers))
+
+    def num_params(self, exclude_embedding: bool = False, active: bool = False) -> int:
+        """Exact parameter count, computed from the shapes (no model needed). `active`: what one token runs
+        through (its top-k experts of each MoE layer, not all of them)."""
         hd, q, kv = self.head_dim, self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
         attn = self.dim * q + 2 * self.dim * kv + q * self.dim
         if self.qkv_bias:
             attn += q + 2 * kv
         if self.qk_norm:
             attn += 2 * hd
-        block = attn + 3 * self.dim * self.ffn_dim + 2 * self.dim
+        n_moe = self.n_moe_layers
+        experts = self.n_experts_per_tok if active else self.n_experts
+        moe = expert_param_count(self.dim, experts, self.moe_ffn_dim, self.shared_expert_ffn_dim)
+        if active:
+            moe += (self.n_experts - experts) * self.dim  # the router scores every expert
+        blocks = self.n_layers * (attn + 2 * self.dim) + (self.n_layers - n_moe) * 3 * self.dim * self.ffn_dim
         emb = self.vocab_size * self.dim
         head = 0 if self.tie_embeddings else emb
-        total = self.n_layers * block + self.dim + emb + head
+        total = blocks + n_moe * moe + self.dim + emb + head
         return total - emb if exclude_embedding else total
 
     def flops_per_token(self, seq_len: int) -> float:
-        """Training FLOPs per token: 6N for the matmuls plus 12*L*H*Dh*T for attention (PaLM, App. B)."""
-        n = self.num_params(exclude_embedding=True)
+        """Training FLOPs per token: 6N for the matmuls plus 12*L*H*Dh*T for attention (PaLM, App. B); N counts
+        the parameters a token runs through (a mixture of experts: its top-k experts, `num_params(active=True)`)."""
+        n = self.num_params(exclude_embedding=True, active=True)
         if self.tie_embeddings:
             n += self.vocab_size * self.dim  # the output projection still runs
         return 6.0 * n + 12.0 * self.n_layers * self.n_heads * self.head_dim * seq_len
@@ -408,14 +442,19 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    """One pre-norm transformer block: the unit that FSDP shards and AC wraps."""
+    """One pre-norm transformer block: the unit that FSDP shards and AC wraps. Its feed-forward `mlp` is the
+    dense SwiGLU, or for a sparse layer of a mixture of experts (`cfg.is_moe_layer(i)`) `models.moe.MoE`."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, index: int = 0):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.self_attn = Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.mlp = MLP(cfg)
+        if cfg.is_moe_layer(index):
+            self.mlp = MoE(cfg.dim, cfg.n_experts, cfg.n_experts_per_tok, cfg.moe_ffn_dim, cfg.norm_topk_prob,
+                           cfg.shared_expert_ffn_dim, layer=index)
+        else:
+            self.mlp = MLP(cfg)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: Any = None,
                 kv: LayerKV | None = None) -> torch.Tensor:
@@ -483,7 +522,7 @@ class Transformer(nn.Module):
         self.cfg = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.rope = RotaryEmbedding(cfg)
-        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         # Tied: the output projection reads embed_tokens.weight (no second parameter to re-tie
         # after to_empty or sharding).
@@ -579,7 +618,7 @@ class Transformer(nn.Module):
             return ("ones",)
         if name.endswith(".bias"):
             return ("zeros",)
-        if name.endswith(("o_proj.weight", "down_proj.weight")):
+        if name.endswith(("o_proj.weight", "down_proj.weight", "experts.down_proj")):
             return ("normal", 0.02 / math.sqrt(2 * self.cfg.n_layers))
         return ("normal", 0.02)
 

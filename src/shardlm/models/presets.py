@@ -33,6 +33,19 @@ def _qwen3(dim, n_layers, n_heads, ffn_dim, tie=False) -> ModelConfig:
                        tie_embeddings=tie, qk_norm=True)
 
 
+def _qwen3_moe(dim, n_layers, n_heads, ffn_dim, moe_ffn_dim) -> ModelConfig:
+    return ModelConfig(dim=dim, n_layers=n_layers, n_heads=n_heads, n_kv_heads=4, head_dim=128, ffn_dim=ffn_dim,
+                       vocab_size=151936, norm_eps=1e-6, rope_theta=1000000.0, max_seq_len=40960, qk_norm=True,
+                       n_experts=128, n_experts_per_tok=8, moe_ffn_dim=moe_ffn_dim, norm_topk_prob=True,
+                       router_aux_loss_coef=0.001)
+
+
+def _mixtral(dim, n_layers, n_heads, moe_ffn_dim, max_seq_len, aux) -> ModelConfig:
+    return ModelConfig(dim=dim, n_layers=n_layers, n_heads=n_heads, n_kv_heads=8, ffn_dim=moe_ffn_dim, vocab_size=32000,
+                       norm_eps=1e-5, rope_theta=1000000.0, max_seq_len=max_seq_len, n_experts=8, n_experts_per_tok=2,
+                       moe_ffn_dim=moe_ffn_dim, norm_topk_prob=True, router_aux_loss_coef=aux)
+
+
 PRESETS: dict[str, ModelConfig] = {
     # ~0.9M parameters: trains on a laptop CPU; vocab fits the byte tokenizer (256 bytes + EOS).
     "debug": ModelConfig(dim=128, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=384, vocab_size=320,
@@ -55,6 +68,15 @@ PRESETS: dict[str, ModelConfig] = {
     "qwen3_8b": _qwen3(4096, 36, 32, 12288),
     "qwen3_14b": _qwen3(5120, 40, 40, 17408),
     "qwen3_32b": _qwen3(5120, 64, 64, 25600),
+    # Mixtures of experts (total / active parameters as published: 30.5B / 3.3B, 235B / 22B, 46.7B / 12.9B,
+    # 141B / 39B; tests/unit/models/test_moe.py holds the counts to them).
+    "debug_moe": ModelConfig(dim=128, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=384, vocab_size=320,
+                             rope_theta=10000.0, max_seq_len=512, qk_norm=True, n_experts=8, n_experts_per_tok=2,
+                             moe_ffn_dim=48, router_aux_loss_coef=0.001),
+    "qwen3_30b_a3b": _qwen3_moe(2048, 48, 32, 6144, 768),
+    "qwen3_235b_a22b": _qwen3_moe(4096, 94, 64, 12288, 1536),
+    "mixtral_8x7b": _mixtral(4096, 32, 32, 14336, 32768, 0.02),
+    "mixtral_8x22b": _mixtral(6144, 56, 48, 16384, 65536, 0.001),
 }
 
 

@@ -21,6 +21,7 @@ from torch.distributed.tensor import DTensor
 
 from shardlm.config import TrainSection
 from shardlm.errors import TrainingError
+from shardlm.models.moe import RouterBalance, set_router_balance
 from shardlm.train.sdpa import sdpa_context
 
 Batch = tuple[torch.Tensor, ...]  # (inputs, labels) or (inputs, labels, positions), each (B, T) int64
@@ -45,10 +46,67 @@ def set_grad_sync(model: nn.Module, k: int, n_micro: int, mode: str, hsdp: bool)
         model.set_requires_all_reduce(last)
 
 
+class RouterLosses:
+    """The trainer's side of a mixture of experts' load-balancing (and z-) loss (`models.moe.RouterBalance`).
+
+    Per micro-batch: the statistics every MoE layer recorded are summed over every rank (`all_reduce`: the data
+    and context-parallel ranks hold the other tokens of the global micro-batch), so the loss is HF's over the
+    whole global micro-batch, whatever the number of ranks; the step's loss term is the mean over its
+    micro-batches (coefficient x that mean), and the gradient scale multiplies by `grad_ranks` as the
+    cross-entropy's does (FSDP averages gradients over those ranks). The logged figures stay on the device
+    until a log step reads them.
+    """
+
+    def __init__(self, balance: RouterBalance, grad_ranks: int, all_reduce: Callable[[torch.Tensor], None] | None):
+        self.balance, self.grad_ranks, self.all_reduce = balance, grad_ranks, all_reduce
+        self.total: torch.Tensor | None = None  # [aux, z, tokens per expert] summed over micro-batches since read
+        self.n = 0
+
+    def start(self, n_micro: int) -> None:
+        self.balance.reset()
+        self.balance.scale = self.grad_ranks / n_micro
+
+    def after_forward(self) -> None:
+        b = self.balance
+        b.reduce(self.all_reduce)
+        now = torch.cat([b.aux_loss().reshape(1), b.z_loss().reshape(1), b.tokens_per_expert()])
+        self.total = now if self.total is None else self.total + now
+        self.n += 1
+
+    def read(self) -> dict[str, float]:
+        """Since the last read (a log interval): the mean aux and z losses per micro-batch, and how evenly the
+        experts were loaded (one host read): load_max =
+        the busiest expert's tokens / the mean; overflow = the share of (token, expert) picks beyond what each
+        expert would take at capacity factor 1 (none is dropped here: this is what a capacity-limited router
+        would have dropped)."""
+        if self.total is None:
+            return {}
+        total, n = self.total.tolist(), self.n
+        self.total, self.n = None, 0
+        counts = total[2:]
+        mean = sum(counts) / len(counts)
+        rec = {"moe_aux_loss": total[0] / n, "moe_load_max": max(counts) / mean if mean else None,
+               "moe_overflow": sum(max(0.0, c - mean) for c in counts) / sum(counts) if mean else None}
+        if self.balance.z_coef:
+            rec["moe_z_loss"] = total[1] / n
+        return rec
+
+
+def router_losses(model: nn.Module, mc, grad_ranks: int) -> RouterLosses | None:
+    """A mixture of experts' `RouterLosses`, attached to every MoE layer of `model` (None for a dense model).
+    The statistics are summed over the default process group: every rank (data x context parallel)."""
+    if not mc.n_experts:
+        return None
+    balance = RouterBalance(mc.n_experts, mc.n_experts_per_tok, mc.router_aux_loss_coef, mc.router_z_loss_coef)
+    set_router_balance(model, balance)
+    return RouterLosses(balance, grad_ranks, dist.all_reduce if dist.is_initialized() else None)
+
+
 def forward_backward(model: nn.Module, batches: list[Batch], scale: float, device: torch.device,
                      grad_sync: str = "micro_batch", hsdp: bool = False,
                      before_micro_batch: Callable[[int], None] | None = None,
-                     loss_chunk_tokens: int = 0, sdpa_backends: tuple[str, ...] | None = None) -> torch.Tensor:
+                     loss_chunk_tokens: int = 0, sdpa_backends: tuple[str, ...] | None = None,
+                     router: RouterLosses | None = None) -> torch.Tensor:
     """Forward + fp32 token-sum cross-entropy + backward of each micro-batch; the local loss sum.
 
     `scale` multiplies each micro-batch's loss sum before backward (dp / global target tokens).
@@ -56,6 +114,8 @@ def forward_backward(model: nn.Module, batches: list[Batch], scale: float, devic
     `Transformer.loss`).
     `before_micro_batch(k)` is the planner's hook (it labels the memory of each micro-batch).
     `sdpa_backends`: the SDPA kernels attention may use, in order (`shardlm.train.sdpa`; None: torch's choice).
+    `router`: a mixture of experts' load-balancing loss (`RouterLosses`), added through each micro-batch's
+    backward; the returned sum is the cross-entropy's alone.
     """
     loss_sum = torch.zeros((), device=device)
     with sdpa_context(sdpa_backends):  # around backward too (compiled blocks trace their kernel in here)
@@ -65,7 +125,11 @@ def forward_backward(model: nn.Module, batches: list[Batch], scale: float, devic
                 before_micro_batch(k)
             x, y = batch[0].to(device, non_blocking=True), batch[1].to(device, non_blocking=True)
             positions = batch[2].to(device, non_blocking=True) if len(batch) > 2 else None
+            if router is not None:
+                router.start(len(batches))
             loss = model(x, positions, labels=y, loss_chunk_tokens=loss_chunk_tokens)
+            if router is not None:
+                router.after_forward()
             (loss * scale).backward()
             loss_sum += loss.detach()
             del loss
@@ -126,3 +190,4 @@ class StepResult:
     stop: bool  # some rank was asked to stop (SIGTERM or Ctrl-C)
     interrupted: bool  # ... by Ctrl-C: the run ends with exit 130, not 0
     nonfinite: str | None  # what went bad (the update was not applied), or None
+    moe: dict | None = None  # a mixture of experts' router figures (RouterLosses.read), on log steps

@@ -43,7 +43,7 @@ from shardlm.train.rundir import write_run_files
 from shardlm.train.sdpa import sdpa_backends_for
 from shardlm.train.session import Session, last_checkpoint
 from shardlm.train.state import TrainState
-from shardlm.train.step import Batch, NonfiniteSteps, StepResult, forward_backward, nonfinite_report
+from shardlm.train.step import Batch, NonfiniteSteps, StepResult, forward_backward, nonfinite_report, router_losses
 
 
 class Trainer:
@@ -108,6 +108,7 @@ class Trainer:
         s.on_close(self.release_model)
         wd.attach(self.model)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.router = router_losses(self.model, self.model_cfg, self.dims.grad_ranks)  # None unless experts
         saved = self.params if cfg.lora.adapters_only else list(self.model.parameters())
         s.check_writable(sum(p.numel() for p in saved), sum(p.numel() for p in self.params))
         self.fp8_all_gather = self.run.fp8_all_gather
@@ -252,7 +253,7 @@ class Trainer:
         self.rank_step_times = counts[3:].tolist() if slots else None
         loss_sum = forward_backward(self.model, batches, self.dims.grad_ranks / n_tokens, self.env.device, t.grad_sync,
                                     self.dims.hsdp, loss_chunk_tokens=t.loss_chunk_tokens,
-                                    sdpa_backends=self.sdpa_backends)
+                                    sdpa_backends=self.sdpa_backends, router=self.router)
         wd.enter("grad-norm all-reduce")
         norm = clip_grad_norm_(self.params, t.grad_clip, flag=loss_sum)
         grad_norm = norm.item()  # the step's one host read: the guard decides before the optimizer does
@@ -266,7 +267,8 @@ class Trainer:
             self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.timer.lap("optimizer", sync=True)
-        return StepResult(loss_sum / n_tokens, grad_norm, stop > 0, ctrl_c > 0, bad)
+        moe = self.router.read() if self.router is not None and self.logs_next_step() else None
+        return StepResult(loss_sum / n_tokens, grad_norm, stop > 0, ctrl_c > 0, bad, moe)
 
     def logs_next_step(self) -> bool:
         """Whether the step being run will be logged (the same answer on every rank)."""
@@ -378,7 +380,7 @@ class Trainer:
                    "tokens_per_sec": tps, "mfu": mfu, **read_and_reset_peak_memory(self.env.device),
                    "elapsed_s": time.perf_counter() - start,
                    **self.report.stragglers(self.step_times, self.rank_step_times), **self.timer.record(),
-                   **(val or {})}
+                   **(res.moe or {}), **(val or {})}
             records.append(rec)
             self.report.step(rec, self.step)
             self.report.mixture(self.loader, final=self.step == self.cfg.train.steps)

@@ -1,4 +1,4 @@
-"""HF `config.json` <-> our `ModelConfig` (Llama 2/3/3.1/3.2, Mistral, Qwen2, Qwen3).
+"""HF `config.json` <-> our `ModelConfig` (Llama 2/3/3.1/3.2, Mistral, Qwen2, Qwen3; Qwen3-MoE, Mixtral, Qwen2-MoE).
 
 `config_from_hf` / `config_to_hf` work on dicts and raise ValueError; `read_hf_config` reads a folder's
 config.json and turns every problem into one ConfigError line naming the file.
@@ -20,7 +20,11 @@ ARCHITECTURES = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
 }
+MOE_TYPES = ("qwen3_moe", "mixtral", "qwen2_moe")
 
 
 def _req(hf: Mapping[str, Any], key: str) -> Any:
@@ -65,12 +69,12 @@ def config_from_hf(hf: Mapping[str, Any], max_seq_len: int | None = None) -> Mod
         raise ValueError(f"HF config: hidden_act {hf['hidden_act']!r} is not supported; only 'silu' (SwiGLU)")
     if hf.get("mlp_bias"):
         raise ValueError("HF config: 'mlp_bias' = true is not supported (our MLP has no biases)")
-    if hf.get("attention_bias") and mt in ("llama", "qwen3"):
+    if hf.get("attention_bias") and mt in ("llama", "qwen3", "qwen3_moe"):
         # HF Llama/Qwen3 put this bias on o_proj as well as q/k/v; our o_proj has none.
         raise ValueError(f"HF config: 'attention_bias' = true is not supported for {mt!r} (it adds an o_proj bias)")
     if max_seq_len is None:
         max_seq_len = int(_req(hf, "max_position_embeddings"))
-    window = hf.get("sliding_window") if mt == "mistral" or hf.get("use_sliding_window") else None
+    window = hf.get("sliding_window") if mt in ("mistral", "mixtral") or hf.get("use_sliding_window") else None
     if window is not None and window < max_seq_len:
         raise ValueError(
             f"HF config: 'sliding_window' = {window} < max_seq_len {max_seq_len} is not supported (full causal "
@@ -91,21 +95,74 @@ def config_from_hf(hf: Mapping[str, Any], max_seq_len: int | None = None) -> Mod
         rope_scaling=scaling,
         max_seq_len=max_seq_len,
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        qkv_bias=mt == "qwen2",
-        qk_norm=mt == "qwen3",
+        qkv_bias=mt in ("qwen2", "qwen2_moe"),
+        qk_norm=mt in ("qwen3", "qwen3_moe"),
+        **(_moe_from_hf(hf, mt) if mt in MOE_TYPES else {}),
     )
 
 
+def _moe_from_hf(hf: Mapping[str, Any], mt: str) -> dict[str, Any]:
+    """The mixture-of-experts fields of ModelConfig from a qwen3_moe / qwen2_moe / mixtral config.json."""
+    if float(hf.get("router_jitter_noise") or 0.0):
+        raise ValueError("HF config: 'router_jitter_noise' > 0 is not supported (routing is deterministic); set it to 0")
+    # The coefficient HF's trainer applies when output_router_logits is on (published configs leave it off for
+    # inference; fine-tuning recipes turn it on): ours applies it whenever it trains (model.router_aux_loss_coef=0: off).
+    coef = float(hf.get("router_aux_loss_coef") or 0.0)
+    if mt == "mixtral":
+        return dict(n_experts=int(_req(hf, "num_local_experts")), n_experts_per_tok=int(_req(hf, "num_experts_per_tok")),
+                    moe_ffn_dim=int(_req(hf, "intermediate_size")), norm_topk_prob=True, router_aux_loss_coef=coef)
+    n_experts = hf.get("num_experts", hf.get("num_local_experts"))
+    if n_experts is None:
+        raise ValueError("HF config: required field 'num_experts' is missing")
+    shared = int(hf.get("shared_expert_intermediate_size") or 0) if mt == "qwen2_moe" else 0
+    return dict(n_experts=int(n_experts), n_experts_per_tok=int(_req(hf, "num_experts_per_tok")),
+                moe_ffn_dim=int(_req(hf, "moe_intermediate_size")),
+                norm_topk_prob=bool(hf.get("norm_topk_prob", mt == "qwen3_moe")),
+                moe_layer_step=int(hf.get("decoder_sparse_step") or 1),
+                dense_layers=tuple(int(i) for i in hf.get("mlp_only_layers") or ()),
+                shared_expert_ffn_dim=shared, router_aux_loss_coef=coef)
+
+
+def default_model_type(cfg: ModelConfig) -> str:
+    """The HF model_type that represents `cfg`: qwen3(_moe) if qk_norm, qwen2(_moe) if qkv_bias, else llama or,
+    with experts, mixtral."""
+    if cfg.n_experts:
+        return "qwen3_moe" if cfg.qk_norm else "qwen2_moe" if cfg.qkv_bias else "mixtral"
+    return "qwen3" if cfg.qk_norm else "qwen2" if cfg.qkv_bias else "llama"
+
+
+def _moe_to_hf(cfg: ModelConfig, mt: str) -> dict[str, Any]:
+    if mt == "mixtral":
+        if cfg.dense_layers or cfg.moe_layer_step != 1 or not cfg.norm_topk_prob or cfg.shared_expert_ffn_dim:
+            raise ValueError("model_type 'mixtral' has every layer sparse, renormalised top-k and no shared expert; "
+                             "this model differs: export it as qwen3_moe or qwen2_moe")
+        return {"num_local_experts": cfg.n_experts, "num_experts_per_tok": cfg.n_experts_per_tok,
+                "intermediate_size": cfg.moe_ffn_dim, "router_aux_loss_coef": cfg.router_aux_loss_coef,
+                "router_jitter_noise": 0.0, "output_router_logits": False}
+    if cfg.shared_expert_ffn_dim and mt != "qwen2_moe":
+        raise ValueError(f"model_type {mt!r} has no shared expert; a model with one exports as qwen2_moe")
+    d = {"num_experts": cfg.n_experts, "num_experts_per_tok": cfg.n_experts_per_tok,
+         "moe_intermediate_size": cfg.moe_ffn_dim, "norm_topk_prob": cfg.norm_topk_prob,
+         "decoder_sparse_step": cfg.moe_layer_step, "mlp_only_layers": list(cfg.dense_layers),
+         "router_aux_loss_coef": cfg.router_aux_loss_coef, "output_router_logits": False}
+    if mt == "qwen2_moe":
+        d["shared_expert_intermediate_size"] = cfg.shared_expert_ffn_dim
+    return d
+
+
 def config_to_hf(cfg: ModelConfig, model_type: str | None = None) -> dict[str, Any]:
-    """An HF `config.json` dict for `cfg` (model_type: qwen3 if qk_norm, qwen2 if qkv_bias, else llama)."""
-    mt = model_type or ("qwen3" if cfg.qk_norm else "qwen2" if cfg.qkv_bias else "llama")
+    """An HF `config.json` dict for `cfg` (model_type: `default_model_type(cfg)` unless given)."""
+    mt = model_type or default_model_type(cfg)
     if mt not in ARCHITECTURES:
         raise ValueError(f"model_type {mt!r} is not supported; supported: {', '.join(ARCHITECTURES)}")
-    if cfg.qkv_bias != (mt == "qwen2") or cfg.qk_norm != (mt == "qwen3"):
+    if cfg.qkv_bias != (mt in ("qwen2", "qwen2_moe")) or cfg.qk_norm != (mt in ("qwen3", "qwen3_moe")):
         raise ValueError(
             f"model_type {mt!r} cannot represent qkv_bias={cfg.qkv_bias}, qk_norm={cfg.qk_norm} "
-            "(qkv_bias needs 'qwen2', qk_norm needs 'qwen3')"
+            "(qkv_bias needs 'qwen2' or 'qwen2_moe', qk_norm needs 'qwen3' or 'qwen3_moe')"
         )
+    if bool(cfg.n_experts) != (mt in MOE_TYPES):
+        raise ValueError(f"model_type {mt!r} cannot represent a model with {cfg.n_experts} experts; use "
+                         f"{default_model_type(cfg)!r}")
     s = cfg.rope_scaling
     scaling = None if s is None else {
         "rope_type": "llama3",
@@ -134,14 +191,16 @@ def config_to_hf(cfg: ModelConfig, model_type: str | None = None) -> dict[str, A
         "rope_parameters": {"rope_type": "default", **(scaling or {}), "rope_theta": cfg.rope_theta},
         "torch_dtype": "float32",
     }
-    if mt in ("llama", "qwen3"):
+    if mt in ("llama", "qwen3", "qwen3_moe"):
         d["attention_bias"] = False
     if mt == "llama":
         d["mlp_bias"] = False
-    if mt == "mistral":
+    if mt in ("mistral", "mixtral"):
         d["sliding_window"] = None
-    if mt in ("qwen2", "qwen3"):
+    if mt in ("qwen2", "qwen3", "qwen3_moe", "qwen2_moe"):
         d.update(use_sliding_window=False, sliding_window=None)
+    if mt in MOE_TYPES:
+        d.update(_moe_to_hf(cfg, mt))
     return d
 
 

@@ -38,10 +38,14 @@ from shardlm.fsutil import pid_alive, remove, staged
 from shardlm.interop.hf.config import config_to_hf
 from shardlm.interop.hf.load import INDEX_FILE, SINGLE_FILE
 from shardlm.interop.hf.names import (
+    Source,
     expected_shapes,
+    hf_sources,
+    join_fused,
     natural_key,
     our_key_to_hf,
     split_lora,
+    to_hf_tensors,
     validate,
 )
 from shardlm.interop.peft import peft_adapter_config, to_peft_state_dict
@@ -53,6 +57,7 @@ from shardlm.quant.nf4 import NF4_FORM
 # module): a QLoRA base, saved as its NF4 pieces, is read dequantised.
 STORED_FORMS = (NF4_FORM,)
 OUT_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+EXPERT_LAYOUTS = ("per-expert", "fused")
 # Every tokenizer file transformers may save (5.x writes the chat template to chat_template.jinja): an export copies
 # each one the source folder has; a folder counts as a tokenizer folder if it has one of the first three.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
@@ -92,34 +97,54 @@ def plan_shards(sizes: Mapping[str, int], max_bytes: int) -> list[list[str]]:
 
 
 def iter_hf_tensors(reader: CheckpointReader, shard: Iterable[str], lora: LoraPairs, scaling: float,
-                    dtype: torch.dtype, batch_bytes: int = READ_BATCH_BYTES) -> Iterator[dict[str, torch.Tensor]]:
+                    dtype: torch.dtype, batch_bytes: int = READ_BATCH_BYTES,
+                    sources: Mapping[str, Source] | None = None) -> Iterator[dict[str, torch.Tensor]]:
     """The tensors of one output shard (our names in, HF names out), one checkpoint read at a time.
 
     Each read is at most `batch_bytes` of checkpoint tensors (or one bigger tensor); every yield holds
     the weights that read completed, converted to `dtype`, with `W += B @ A * scaling` for the names in
     `lora`. A weight whose adapter factors are in a later read waits for them. Nothing else is kept.
+    `sources` (our name -> `names.Source`; default one to one) says which HF tensors a weight becomes: a
+    stacked expert weight one per expert, a fused gate_proj/up_proj pair one gate_up_proj (the up half is
+    read with its gate, which must be in `shard`).
     """
     shard = list(shard)
+    sources = sources or {}
+    partner = {n: n.replace("experts.gate_proj", "experts.up_proj") for n in shard
+               if sources.get(n) is not None and sources[n].dim1 is not None and n.endswith("experts.gate_proj")}
     needed = []
     for n in shard:
         needed.append(n)
-        if n in lora:
-            needed += [lora[n]["A"], lora[n]["B"]]
+        if n in partner:
+            needed.append(partner[n])
+        for m in (n, partner.get(n)):
+            if m in lora:
+                needed += [lora[m]["A"], lora[m]["B"]]
     loaded: dict[str, torch.Tensor] = {}
     pending = list(shard)
+
+    def ready(m: str) -> bool:
+        ab = lora.get(m)
+        return m in loaded and not (ab and not (ab["A"] in loaded and ab["B"] in loaded))
+
+    def take(m: str) -> torch.Tensor:
+        w, ab = loaded.pop(m), lora.get(m)
+        if ab:
+            w = w.float() + lora_delta(loaded.pop(ab["A"]), loaded.pop(ab["B"]), scaling)
+        return w.to(dtype).contiguous()
+
     for batch in reader.batches(needed, batch_bytes):
         loaded.update(reader.read(batch))
         done: dict[str, torch.Tensor] = {}
-        for n in pending:
-            ab = lora.get(n)
-            if n not in loaded or (ab and not (ab["A"] in loaded and ab["B"] in loaded)):
+        for n in list(pending):
+            if not ready(n) or (n in partner and not ready(partner[n])):
                 continue
-            w = loaded.pop(n)
-            if ab:
-                w = w.float() + lora_delta(loaded.pop(ab["A"]), loaded.pop(ab["B"]), scaling)
-            done[our_key_to_hf(n)] = w.to(dtype).contiguous()
-        pending = [n for n in pending if our_key_to_hf(n) not in done]
-        yield done
+            names = [n, partner[n]] if n in partner else [n]
+            for m in names:
+                src = sources.get(m) or Source((our_key_to_hf(m),))
+                done.update(to_hf_tensors(m, take(m), src))
+            pending.remove(n)
+        yield join_fused(done)
 
 
 def _shard_name(i: int, n: int) -> str:
@@ -373,9 +398,14 @@ def export_hf(
     hf_config_overrides: Mapping[str, Any] | None = None,
     generation: Mapping[str, Any] | None = None,
     keep: Iterable[Path | None] = (),
+    expert_layout: str = "per-expert",
     log=print,
 ) -> dict[str, Any]:
     """Write one of our DCP checkpoints as an HF model folder `AutoModelForCausalLM.from_pretrained` reads.
+
+    A mixture of experts is written in `expert_layout`: "per-expert" (the published checkpoints' layout, one
+    tensor per expert and projection, which every transformers version loads) or "fused" (newer transformers'
+    in-memory `mlp.experts.gate_up_proj` / `down_proj`).
 
     Offline, one process, no process group. `model_cfg` defaults to the checkpoint's model_config.json.
     Output shards hold at most `max_shard_bytes` (one bigger tensor gets a shard of its own); tensors are
@@ -414,9 +444,18 @@ def export_hf(
         raise ConfigError(f"{ck}: {e}") from None
     _check_lora(pairs, reader, expected)
 
-    order = sorted(expected, key=natural_key)
-    shards = plan_shards({n: math.prod(expected[n]) * out_dtype.itemsize for n in order}, max_shard_bytes)
-    hf_cfg = config_to_hf(cfg, model_type)
+    if expert_layout not in EXPERT_LAYOUTS:
+        raise ConfigError(f"expert layout {expert_layout!r} is not one of {', '.join(EXPERT_LAYOUTS)}")
+    try:
+        hf_cfg = config_to_hf(cfg, model_type)
+    except ValueError as e:
+        raise ConfigError(f"{ck}: {e}") from None
+    sources = hf_sources(cfg, hf_cfg["model_type"], fused=expert_layout == "fused")
+    sizes = {n: math.prod(expected[n]) * out_dtype.itemsize for n in sorted(expected, key=natural_key)}
+    for n, src in sources.items():  # a fused gate_up_proj is written whole: its up half goes with the gate half
+        if src.dim1 is not None and n.endswith("experts.up_proj"):
+            sizes[n.replace("experts.up_proj", "experts.gate_proj")] += sizes.pop(n)
+    shards = plan_shards(sizes, max_shard_bytes)
     hf_cfg["torch_dtype"] = hf_cfg["dtype"] = {"bf16": "bfloat16", "fp32": "float32"}[dtype]
     hf_cfg.update(hf_config_overrides or {})
     tokenizer_files(tokenizer_dir)
@@ -426,7 +465,8 @@ def export_hf(
     need = sum(math.prod(v) for v in expected.values()) * out_dtype.itemsize
     check_free_space(out, need)
     with written_aside(out, need) as tmp:
-        info = write_hf_folder(tmp, [iter_hf_tensors(reader, s, pairs, scaling, out_dtype) for s in shards],
+        info = write_hf_folder(tmp, [iter_hf_tensors(reader, s, pairs, scaling, out_dtype, sources=sources)
+                                     for s in shards],
                                hf_cfg, tokenizer_dir, generation)
     return {**info, "config": hf_cfg}
 

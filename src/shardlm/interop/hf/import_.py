@@ -19,8 +19,8 @@ from shardlm.errors import ConfigError
 from shardlm.fsutil import staged
 from shardlm.interop.hf.config import read_hf_config
 from shardlm.interop.hf.export import OUT_DTYPES
-from shardlm.interop.hf.load import ST_DTYPES, check_hf_tensors, scan_hf_weights
-from shardlm.interop.hf.names import expected_shapes, our_key_to_hf
+from shardlm.interop.hf.load import ST_DTYPES, check_hf_tensors, hf_layout, scan_hf_weights
+from shardlm.interop.hf.names import expected_shapes, hf_shapes
 from shardlm.models.llama import ModelConfig
 
 
@@ -28,17 +28,20 @@ class _LazyHFPlanner(DefaultSavePlanner):
     """A DCP save planner whose state dict holds meta tensors; each tensor's data is read from its HF file
     (and converted) only when the writer asks for it, then dropped after it is written."""
 
-    def __init__(self, sources: Mapping[str, tuple[Path, str]], dtype_of: Mapping[str, torch.dtype]):
+    def __init__(self, sources: Mapping[str, list[tuple[Path, str, tuple[slice, ...], int | None]]],
+                 shapes: Mapping[str, tuple[int, ...]], dtype_of: Mapping[str, torch.dtype]):
         super().__init__()
-        self.sources, self.dtype_of = sources, dtype_of
+        self.sources, self.shapes, self.dtype_of = sources, shapes, dtype_of
 
     def resolve_data(self, write_item):
         if write_item.type == WriteItemType.BYTE_IO:
             return super().resolve_data(write_item)
         fqn = write_item.index.fqn
-        path, hf_name = self.sources[fqn]
-        with safe_open(str(path), framework="pt") as f:
-            return f.get_tensor(hf_name).to(self.dtype_of[fqn], copy=True).contiguous()
+        out = torch.empty(self.shapes[fqn], dtype=self.dtype_of[fqn])
+        for path, hf_name, region, row in self.sources[fqn]:  # one piece, or one per expert
+            with safe_open(str(path), framework="pt") as f:
+                (out if row is None else out[row]).copy_(f.get_slice(hf_name)[region])
+        return out
 
 
 @torch.no_grad()
@@ -63,16 +66,18 @@ def import_hf_to_dcp(
     cfg, _ = read_hf_config(src, max_seq_len=max_seq_len)
     stored = scan_hf_weights(src)
     ours = expected_shapes(cfg)
-    source = check_hf_tensors(stored, {our_key_to_hf(k): v for k, v in ours.items()}, cfg.tie_embeddings, src)
+    layout = hf_layout(cfg, src, stored)
+    source = check_hf_tensors(stored, hf_shapes(ours, layout), cfg.tie_embeddings, src)
     if dtype is not None and dtype not in OUT_DTYPES:
         raise ConfigError(f"dtype {dtype!r} is not supported; use one of {', '.join(OUT_DTYPES)} or None")
-    sources, dtype_of, meta_sd = {}, {}, {}
+    sources, shapes, dtype_of, meta_sd = {}, {}, {}, {}
     for name, shape in ours.items():
-        hf_name = source[our_key_to_hf(name)]
-        t = stored[hf_name]
-        dt = OUT_DTYPES[dtype] if dtype is not None else ST_DTYPES[t.dtype]
+        pieces = layout[name].region(tuple(slice(0, n) for n in shape))
+        first = stored[source[pieces[0][0]]]
+        dt = OUT_DTYPES[dtype] if dtype is not None else ST_DTYPES[first.dtype]
         fqn = f"model.{name}"
-        sources[fqn], dtype_of[fqn] = (t.file, hf_name), dt
+        sources[fqn] = [(stored[source[h]].file, source[h], region, row) for h, region, row in pieces]
+        shapes[fqn], dtype_of[fqn] = tuple(shape), dt
         meta_sd[name] = torch.empty(shape, dtype=dt, device="meta")
     out = Path(out_checkpoint_dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
@@ -81,7 +86,7 @@ def import_hf_to_dcp(
     with staged(out, tmp=out.with_name(f".{out.name}.partial"), folder=True) as tmp:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=SINGLE_PROCESS_WARNING)
-            dcp.save({"model": meta_sd}, checkpoint_id=str(tmp), planner=_LazyHFPlanner(sources, dtype_of),
+            dcp.save({"model": meta_sd}, checkpoint_id=str(tmp), planner=_LazyHFPlanner(sources, shapes, dtype_of),
                      no_dist=True)
         # Where it came from: `model.init_from=dcp:<out>` then finds the tokenizer, the export its source.
         src_abs = src.resolve()

@@ -14,6 +14,7 @@ the files directly is the same reads with the memory bound guaranteed on every t
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -25,8 +26,8 @@ from safetensors import safe_open
 from torch import nn
 
 from shardlm.errors import ConfigError
-from shardlm.interop.hf.config import read_hf_config
-from shardlm.interop.hf.names import our_key_to_hf, validate
+from shardlm.interop.hf.config import default_model_type, read_hf_config
+from shardlm.interop.hf.names import Source, hf_shapes, hf_sources, is_fused_layout, our_key_to_hf, validate
 from shardlm.lora import is_lora_param
 from shardlm.models.llama import ModelConfig
 from shardlm.parallel.fsdp import shard_region
@@ -103,6 +104,17 @@ def check_hf_tensors(stored: Mapping[str, HFTensor], want: Mapping[str, tuple[in
     return source
 
 
+def hf_layout(cfg: ModelConfig, hf_dir: Path, stored: Mapping[str, HFTensor]) -> dict:
+    """Our name -> `names.Source` for this folder: its config.json's model_type (else the one `cfg` implies),
+    experts in the published per-expert layout or the fused one, whichever the files hold."""
+    mt = default_model_type(cfg)
+    path = hf_dir / "config.json"
+    if path.is_file():
+        with contextlib.suppress(OSError, ValueError, AttributeError):
+            mt = json.loads(path.read_text()).get("model_type") or mt
+    return hf_sources(cfg, mt, fused=is_fused_layout(stored))
+
+
 def _check_config(model_cfg: ModelConfig, hf_dir: Path) -> None:
     """The model was built for this folder's config.json (max_seq_len aside): shapes alone would not catch
     a different RoPE base or scaling, norm epsilon or tying."""
@@ -143,33 +155,41 @@ NF4 parameters: then every rank of the shard group calls it). RoPE buffers
         if p.is_meta:
             raise RuntimeError(f"load_hf_weights: parameter {name!r} is on the meta device; call "
                                "model.to_empty(device=...) first")
-        params[our_key_to_hf(name)] = p
+        params[name] = p
     if check_config and isinstance(cfg, ModelConfig):
         _check_config(cfg, d)
     stored = scan_hf_weights(d)
-    source = check_hf_tensors(stored, {k: tuple(p.shape) for k, p in params.items()}, tied, d)
-    nf4 = {k for k, p in params.items() if is_nf4(p)}
-    by_file: dict[Path, list[str]] = {}
-    for key in params:
-        if key not in nf4:
-            by_file.setdefault(stored[source[key]].file, []).append(key)
-    for path, keys in by_file.items():
-        with safe_open(str(path), framework="pt") as f:
-            for key in keys:
-                local, shape, offset = shard_region(params[key])
-                if local.numel() == 0:
-                    continue  # more ranks than rows: this rank holds none of it
-                region = tuple(slice(o, o + n) for o, n in zip(offset, shape))
-                local.copy_(f.get_slice(source[key])[region])
-    if nf4:  # QLoRA base: this rank's rows in bf16, quantised (one small all-gather per weight)
-        def fill(name: str, p: torch.Tensor, shape: tuple[int, ...], row0: int) -> torch.Tensor:
-            src = source[our_key_to_hf(name)]
-            region = (slice(row0, row0 + shape[0]), *(slice(0, n) for n in shape[1:]))
-            with safe_open(str(stored[src].file), framework="pt") as f:
-                return f.get_slice(src)[region]
+    sources = hf_layout(cfg, d, stored) if isinstance(cfg, ModelConfig) else {}
+    sources = {n: sources.get(n) or Source((our_key_to_hf(n),)) for n in params}
+    source = check_hf_tensors(stored, hf_shapes({n: tuple(p.shape) for n, p in params.items()}, sources), tied, d)
+    nf4 = {n for n, p in params.items() if is_nf4(p)}
+    with contextlib.ExitStack() as stack:
+        files: dict[Path, object] = {}
 
-        device = next(iter(params.values())).device
-        quantize_into(model, fill, device)
+        def read(hf_name: str, region: tuple[slice, ...]) -> torch.Tensor:
+            src = source[hf_name]
+            path = stored[src].file
+            if path not in files:
+                files[path] = stack.enter_context(safe_open(str(path), framework="pt"))
+            return files[path].get_slice(src)[region]
+
+        for name in sorted(params, key=lambda n: str(stored[source[sources[n].names[0]]].file)):
+            if name in nf4:
+                continue
+            local, shape, offset = shard_region(params[name])
+            if local.numel() == 0:
+                continue  # more ranks than rows: this rank holds none of it
+            region = tuple(slice(o, o + n) for o, n in zip(offset, shape))
+            for hf_name, hf_region, row in sources[name].region(region):
+                (local if row is None else local[row]).copy_(read(hf_name, hf_region))
+        if nf4:  # QLoRA base: this rank's rows in bf16, quantised (one small all-gather per weight)
+            def fill(name: str, p: torch.Tensor, shape: tuple[int, ...], row0: int) -> torch.Tensor:
+                region = (slice(row0, row0 + shape[0]), *(slice(0, n) for n in shape[1:]))
+                (hf_name, hf_region, _), = sources[name].region(region)
+                return read(hf_name, hf_region)
+
+            device = next(iter(params.values())).device
+            quantize_into(model, fill, device)
     rope = getattr(model, "rope", None)
     if rope is not None:
         rope.reset_parameters()
