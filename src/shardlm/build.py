@@ -34,6 +34,7 @@ from shardlm.quant.nf4 import NF4_FORM, apply_nf4, check_shapes, is_nf4, nf4_nby
 from shardlm.resolve import base_dtype, frozen_dtype, uses_fp8_all_gather
 
 Materialize = Callable[[Transformer, Config, torch.device], None]
+TRAINING_FIELDS = ("router_aux_loss_coef", "router_z_loss_coef")  # model.* fields that leave the shape alone
 # The stored forms (shardlm.checkpoint.stored) the parameters this recipe makes may be held in: the checkpoint
 # code is told, it knows no encoding. Hand these to Checkpointer, CheckpointReader and load_dcp_weights.
 STORED_FORMS = (NF4_FORM,)
@@ -47,6 +48,7 @@ def build_model_config(cfg: Config, tokenizer_vocab: int, warn: Callable[[str], 
     """
     overrides = {k: v for k, v in dataclasses.asdict(cfg.model).items()
                  if k not in ("preset", "init_from") and v is not None}
+    training = {k: overrides.pop(k) for k in TRAINING_FIELDS if k in overrides}  # not the shape: any source
     if cfg.model.init_from and overrides:
         raise ConfigError(f"model.{next(iter(overrides))} cannot change the shape of a model loaded with "
                           "model.init_from; drop the override")
@@ -69,9 +71,13 @@ def build_model_config(cfg: Config, tokenizer_vocab: int, warn: Callable[[str], 
     if "n_heads" in overrides and "n_kv_heads" not in overrides and base.n_kv_heads == base.n_heads:
         overrides["n_kv_heads"] = None  # plain MHA stays MHA
     try:
-        mc = dataclasses.replace(base, **overrides, max_seq_len=cfg.data.seq_len)
+        mc = dataclasses.replace(base, **overrides, **training, max_seq_len=cfg.data.seq_len)
     except ValueError as e:
         raise ConfigError(f"model: {e}") from None
+    if not mc.n_experts and (unused := [k for k in ("router_aux_loss_coef", "router_z_loss_coef", "n_experts_per_tok",
+                                                    "moe_ffn_dim") if k in training or k in overrides]):
+        raise ConfigError(f"model.{unused[0]} is set but the model has no experts (a dense model); drop it or pick a "
+                          "mixture-of-experts preset (e.g. debug_moe, qwen3_30b_a3b)")
     if tokenizer_vocab > mc.vocab_size:
         raise ConfigError(f"the tokenizer has {tokenizer_vocab} tokens but the model's vocab_size is {mc.vocab_size}; "
                           f"set --model.vocab_size={tokenizer_vocab} or use a matching tokenizer")

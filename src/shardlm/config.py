@@ -58,6 +58,14 @@ class ModelSection:
     n_kv_heads: int | None = _f(None, "Override the preset's number of key/value heads (GQA).")
     ffn_dim: int | None = _f(None, "Override the preset's SwiGLU hidden size.")
     vocab_size: int | None = _f(None, "Override the preset's vocabulary size.")
+    n_experts: int | None = _f(None, "Override the preset's number of experts per MoE layer (a mixture-of-experts "
+                               "preset; docs/moe.md).")
+    n_experts_per_tok: int | None = _f(None, "Override the preset's top-k: experts each token is routed to.")
+    moe_ffn_dim: int | None = _f(None, "Override the preset's expert SwiGLU hidden size.")
+    router_aux_loss_coef: float | None = _f(None, "Load-balancing loss coefficient of a mixture of experts (HF's "
+                                            "router_aux_loss_coef; default: the preset's or config.json's; 0 = off). "
+                                            "Allowed with model.init_from: it changes training, not the shape.")
+    router_z_loss_coef: float | None = _f(None, "Router z-loss coefficient (ST-MoE; default 0 = off).")
 
     @property
     def hf_dir(self) -> Path | None:
@@ -70,10 +78,15 @@ class ModelSection:
         return Path(self.init_from[len("dcp:"):]) if self.init_from.startswith("dcp:") else None
 
     def check(self) -> None:
-        for key in ("n_layers", "dim", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size"):
+        for key in ("n_layers", "dim", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "n_experts",
+                    "n_experts_per_tok", "moe_ffn_dim"):
             v = getattr(self, key)
             if v is not None and v < 1:
                 raise ConfigError(f"model.{key} must be >= 1, got {v}")
+        for key in ("router_aux_loss_coef", "router_z_loss_coef"):
+            v = getattr(self, key)
+            if v is not None and not 0.0 <= v < 1.0:
+                raise ConfigError(f"model.{key} must be in [0, 1), got {v}")
         if self.init_from and not self.init_from.startswith(("hf:", "dcp:")):
             raise ConfigError(f"model.init_from={self.init_from!r}: use hf:/path/to/hf_model_dir or "
                               "dcp:/path/to/checkpoint")

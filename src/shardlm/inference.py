@@ -51,6 +51,7 @@ from shardlm.distributed.env import device_type, shutdown_distributed
 from shardlm.errors import CheckpointError, ConfigError
 from shardlm.lora import lora_delta
 from shardlm.models.llama import ModelConfig, Transformer
+from shardlm.models.moe import is_expert_param
 from shardlm.parallel.launch import plan_launch
 from shardlm.data.sft import ChatTemplate
 from shardlm.generate import encode_prompt
@@ -190,8 +191,8 @@ def load_merged_lora(model: Transformer, ck: Path, pairs: Pairs, scaling: float,
     if state:
         set_model_state_dict(model, state, options=StateDictOptions(strict=False))
     for module, ab in pairs.items():
-        try:
-            weight = model.get_parameter(f"{module}.weight")
+        try:  # a stacked experts' projection is its own parameter (no `.weight`)
+            weight = model.get_parameter(module if is_expert_param(module) else f"{module}.weight")
         except AttributeError:
             raise CheckpointError(f"{ck}: LoRA adapter {module!r} has no base weight in this model; pass a "
                                   "checkpoint of this model") from None
@@ -199,7 +200,9 @@ def load_merged_lora(model: Transformer, ck: Path, pairs: Pairs, scaling: float,
         if local.numel() == 0:
             continue
         rows = slice(offset[0], offset[0] + shape[0])
-        delta = lora_delta(factors[ab["A"]], factors[ab["B"]][rows], scaling)
+        a = factors[ab["A"]]
+        a = a[rows] if a.dim() == 3 else a  # stacked experts: the rows are experts, in both factors
+        delta = lora_delta(a, factors[ab["B"]][rows], scaling)
         local.copy_((local.float() + delta).to(local.dtype))
 
 

@@ -25,6 +25,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from shardlm.models.llama import InitSpec, RMSNorm
+from shardlm.models.moe import PROJECTIONS, Experts
 
 DEFAULT_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 _NORMS = (RMSNorm, nn.LayerNorm, nn.RMSNorm)
@@ -137,14 +138,20 @@ def apply_lora(model: nn.Module, rank: int, alpha: float, dropout: float = 0.0,
     if any(isinstance(p, DTensor) for p in model.parameters()):
         raise ValueError("apply_lora: the model is already sharded; call apply_lora before fully_shard")
     linears = {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear)}
-    valid = sorted({n.rpartition(".")[2] for n in linears})
+    experts = {n: m for n, m in model.named_modules() if isinstance(m, Experts)}
+    valid = sorted({n.rpartition(".")[2] for n in linears} | (set(PROJECTIONS) if experts else set()))
     unknown = [t for t in targets if t not in valid]
     if unknown or not targets:
-        raise ValueError(f"LoRA target(s) {unknown or targets} match no nn.Linear in the model; "
+        raise ValueError(f"LoRA target(s) {unknown or targets} match no nn.Linear or expert projection in the model; "
                          f"valid names: {', '.join(valid)}")
     replaced = [n for n in linears if n.rpartition(".")[2] in targets]
     for name in replaced:
         _set_submodule(model, name, LoRALinear.from_linear(linears[name], rank, alpha, dropout))
+    stacked = [p for p in PROJECTIONS if p in targets]  # a mixture of experts: the same names adapt every expert
+    for name, m in experts.items():
+        if stacked:
+            m.add_lora(stacked, rank, alpha, dropout, lambda n_in: ("normal", lora_a_std(n_in)))
+            replaced += [f"{name}.{p}" for p in stacked]
 
     for name, p in model.named_parameters():
         p.requires_grad_(is_lora_param(name))
@@ -181,7 +188,8 @@ def cast_frozen(model: nn.Module, dtype: torch.dtype,
 
 def lora_delta(a: torch.Tensor, b: torch.Tensor, scaling: float) -> torch.Tensor:
     """What an adapter adds to its base weight, B @ A * alpha/r, in fp32: the merge arithmetic, once (merge_lora,
-    the HF export and inference's merge on load all add it to their base weights)."""
+    the HF export and inference's merge on load all add it to their base weights). Stacked experts' factors
+    (n_experts, out, r) and (n_experts, r, in) give each expert's."""
     return (b.float() @ a.float()) * scaling
 
 
@@ -192,6 +200,7 @@ def merge_lora(model: nn.Module) -> list[str]:
     The merged weights keep their requires_grad flags. Run it on an unsharded, materialised model.
     Returns the merged module names.
     """
+    experts = [f"{n}.{p}" for n, m in model.named_modules() if isinstance(m, Experts) for p in m.merged_lora()]
     merged = [(n, m) for n, m in model.named_modules() if isinstance(m, LoRALinear)]
     for name, m in merged:
         delta = lora_delta(m.lora_A.weight, m.lora_B.weight, m.scaling)
@@ -201,7 +210,7 @@ def merge_lora(model: nn.Module) -> list[str]:
         if m.bias is not None:
             plain.bias = m.bias
         _set_submodule(model, name, plain)
-    return [n for n, _ in merged]
+    return [n for n, _ in merged] + experts
 
 
 def lora_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:

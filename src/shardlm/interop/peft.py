@@ -21,6 +21,9 @@ def to_peft_state_dict(lora_sd: Mapping[str, torch.Tensor]) -> dict[str, torch.T
     out = {}
     for key, t in lora_sd.items():
         m = LORA_RE.match(key)
+        if m is None and ".experts.lora_" in key:
+            raise ValueError(f"{key!r} adapts stacked experts, which peft's LoRA format does not hold as shardlm "
+                             "trains them; export the model with the adapters merged (--merge-lora)")
         if m is None:
             raise ValueError(f"to_peft_state_dict: {key!r} is not a LoRA weight (only lora_A/lora_B are exported)")
         hf_mod = our_key_to_hf(m["mod"] + ".weight").removesuffix(".weight")  # `lm_head` stays unprefixed

@@ -56,8 +56,28 @@ def use_grouped_mm(x: torch.Tensor) -> bool:
     return has_grouped_mm()
 
 
+class ExpertFactors(nn.ParameterDict):
+    """`lora_A` or `lora_B` of stacked experts: one (n_experts, ...) parameter per adapted projection, each
+    saying how it starts (`Transformer.init_weights` asks the module that owns a parameter)."""
+
+    def __init__(self, params: dict[str, nn.Parameter], specs: dict[str, tuple]):
+        super().__init__(params)
+        self.specs = specs
+
+    def init_spec(self, pname: str) -> tuple:
+        return self.specs[pname]
+
+
+PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+
+
 class Experts(nn.Module):
-    """n_experts SwiGLU experts as three stacked parameters (no `.weight`: HF's fused layout names them so too)."""
+    """n_experts SwiGLU experts as three stacked parameters (no `.weight`: HF's fused layout names them so too).
+
+    LoRA (`add_lora`): per adapted projection P, `lora_A.P` (n_experts, r, in) and `lora_B.P` (n_experts, out, r):
+    expert e's P is W[e] + B[e] @ A[e] * alpha / r, as a LoRALinear per expert would be; the factors are stacked
+    like the weights, so FSDP shards them by expert too.
+    """
 
     def __init__(self, n_experts: int, dim: int, ffn_dim: int):
         super().__init__()
@@ -65,6 +85,46 @@ class Experts(nn.Module):
         self.gate_proj = nn.Parameter(torch.empty(n_experts, ffn_dim, dim))
         self.up_proj = nn.Parameter(torch.empty(n_experts, ffn_dim, dim))
         self.down_proj = nn.Parameter(torch.empty(n_experts, dim, ffn_dim))
+        self.lora_A: ExpertFactors | None = None
+        self.lora_B: ExpertFactors | None = None
+        self.lora_scaling = 0.0
+        self.lora_dropout: nn.Module = nn.Identity()
+
+    def add_lora(self, projections: list[str], r: int, alpha: float, dropout: float, a_spec: Callable[[int], tuple]) -> None:
+        """Adapters on `projections` (a subset of PROJECTIONS); `a_spec(in_features)` is lora_A's init spec."""
+        if self.lora_A is not None:
+            raise ValueError("these experts already have LoRA adapters")
+        w = {p: getattr(self, p) for p in projections}
+        a = {p: nn.Parameter(torch.empty(self.n_experts, r, t.shape[2], device=t.device, dtype=t.dtype))
+             for p, t in w.items()}
+        b = {p: nn.Parameter(torch.empty(self.n_experts, t.shape[1], r, device=t.device, dtype=t.dtype))
+             for p, t in w.items()}
+        self.lora_A = ExpertFactors(a, {p: a_spec(t.shape[2]) for p, t in w.items()})
+        self.lora_B = ExpertFactors(b, {p: ("zeros",) for p in w})
+        self.lora_scaling = alpha / r
+        self.lora_dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+
+    def merged_lora(self) -> list[str]:
+        """Fold the adapters into the weights (W[e] += B[e] @ A[e] * scaling, in fp32) and drop them; the merged
+        projections' names. On a materialised, unsharded module."""
+        if self.lora_A is None:
+            return []
+        done = []
+        with torch.no_grad():
+            for p in list(self.lora_A.keys()):
+                w = getattr(self, p)
+                w.add_((self.lora_B[p].float() @ self.lora_A[p].float() * self.lora_scaling).to(w.dtype))
+                done.append(p)
+        self.lora_A = self.lora_B = None
+        self.lora_dropout = nn.Identity()
+        return done
+
+    def _proj(self, x: torch.Tensor, which: str, counts: torch.Tensor, offsets: torch.Tensor | None) -> torch.Tensor:
+        y = grouped_linear(x, getattr(self, which), counts, offsets)
+        if self.lora_A is not None and which in self.lora_A:
+            h = grouped_linear(self.lora_dropout(x), self.lora_A[which], counts, offsets)
+            y = y + grouped_linear(h, self.lora_B[which], counts, offsets) * self.lora_scaling
+        return y
 
     def forward(self, x: torch.Tensor, expert: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """x (N, dim); expert, weight (N, k): each token's experts and their weights -> (N, dim)."""
@@ -75,9 +135,8 @@ class Experts(nn.Module):
         token = order // k
         xs = x[token]
         offsets = torch.cumsum(counts, 0, dtype=torch.int32) if use_grouped_mm(xs) else None
-        h = F.silu(grouped_linear(xs, self.gate_proj, counts, offsets)) * grouped_linear(xs, self.up_proj, counts,
-                                                                                         offsets)
-        y = grouped_linear(h, self.down_proj, counts, offsets)
+        h = F.silu(self._proj(xs, "gate_proj", counts, offsets)) * self._proj(xs, "up_proj", counts, offsets)
+        y = self._proj(h, "down_proj", counts, offsets)
         y = y * weight.reshape(-1)[order, None].to(y.dtype)
         return torch.zeros_like(x).index_add_(0, token, y.to(x.dtype))
 

@@ -51,6 +51,7 @@ from shardlm.interop.hf.names import (
 from shardlm.interop.peft import peft_adapter_config, to_peft_state_dict
 from shardlm.lora import lora_delta
 from shardlm.models.llama import ModelConfig
+from shardlm.models.moe import is_expert_param
 from shardlm.quant.nf4 import NF4_FORM
 
 # The stored forms our checkpoints' parameters may be held in (shardlm.build.STORED_FORMS, which sits above this
@@ -368,9 +369,10 @@ def _check_lora(pairs: LoraPairs, reader: CheckpointReader, expected: Mapping[st
     for w, ab in pairs.items():
         if w not in expected:
             raise ConfigError(f"{reader.path}: LoRA adapter on {w!r}, which the model does not have")
-        a, b = reader.tensors[ab["A"]].shape, reader.tensors[ab["B"]].shape
-        o, i = expected[w]
-        if len(a) != 2 or len(b) != 2 or a[1] != i or b[0] != o or a[0] != b[1]:
+        a, b = tuple(reader.tensors[ab["A"]].shape), tuple(reader.tensors[ab["B"]].shape)
+        *lead, o, i = expected[w]  # lead: (n_experts,) for stacked experts' adapters
+        if (len(a) != 2 + len(lead) or len(b) != len(a) or a[:len(lead)] != tuple(lead) or b[:len(lead)] != tuple(lead)
+                or a[-1] != i or b[-2] != o or a[-2] != b[-1]):
             raise ConfigError(f"{reader.path}: LoRA shapes A {a}, B {b} do not fit {w!r} of shape {(o, i)}")
 
 
@@ -379,7 +381,7 @@ def _lora_pairs(reader: CheckpointReader) -> tuple[list[str], dict[str, dict[str
         base, pairs = split_lora(reader.tensors)
     except ValueError as e:
         raise ConfigError(f"{reader.path}: {e}") from None
-    return base, {mod + ".weight": ab for mod, ab in pairs.items()}
+    return base, {mod if is_expert_param(mod) else mod + ".weight": ab for mod, ab in pairs.items()}
 
 
 # -- exports ---------------------------------------------------------------------------------------

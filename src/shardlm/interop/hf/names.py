@@ -23,6 +23,8 @@ HEAD = "lm_head.weight"  # the same name in HF's and our state dicts
 EMBED = "embed_tokens.weight"  # ours; HF's is HF_PREFIX + EMBED
 _IGNORED_SUFFIX = "rotary_emb.inv_freq"  # a buffer old HF checkpoints saved; recomputed from the config
 LORA_RE = re.compile(r"^(?P<mod>.+)\.(?P<ab>lora_[AB])\.weight$")
+# LoRA of stacked experts (models.moe.Experts): `X.experts.lora_A.gate_proj` beside the base `X.experts.gate_proj`
+EXPERT_LORA_RE = re.compile(r"^(?P<mod>.+\.experts)\.(?P<ab>lora_[AB])\.(?P<proj>\w+)$")
 
 
 def hf_key_to_ours(key: str) -> str:
@@ -60,8 +62,11 @@ def split_lora(names: Iterable[str]) -> tuple[list[str], dict[str, dict[str, str
     base, lora = [], {}
     for n in names:
         m = LORA_RE.match(n)
+        e = EXPERT_LORA_RE.match(n)
         if m:
             lora.setdefault(m["mod"], {})[m["ab"][-1]] = n
+        elif e:  # keyed by the base parameter's name, which has no `.weight`
+            lora.setdefault(f"{e['mod']}.{e['proj']}", {})[e["ab"][-1]] = n
         else:
             base.append(n)
     for mod, ab in lora.items():

@@ -1,0 +1,138 @@
+"""Mixtures of experts under FSDP2 on real gloo groups (the debug_moe preset: 8 experts, top-2, 4 sparse layers).
+
+The same runs on 1 rank, on dp_shard=2, and on dp_shard=4, HSDP 2x2 and dp_shard=2 x cp=2 over 4 ranks give the
+same losses, gradient norms and load-balancing losses (fp32, rel 1e-5): the router statistics are summed over
+every rank before the backward, so the balance loss is the global micro-batch's however the batch is split.
+Cases: plain with grad_accum=2 and the z-loss on, and LoRA on attention and on the stacked experts. The experts
+are sharded by expert (dim 0: 8 experts -> 4 per rank of 2). A run stopped at step 2 and resumed equals the
+uninterrupted run, and the logged aux loss is the mean of HF's loss over the micro-batches (finite, > 1: top-k
+picks are never perfectly balanced on a random model).
+"""
+
+from __future__ import annotations
+
+import pytest
+from helpers.launch import run_ranks
+from helpers.whole import local
+
+STEPS, REL = 4, 1e-5
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory, corpus):
+    from helpers.stores import text_store
+
+    d = tmp_path_factory.mktemp("moe_data")
+    text = corpus.read_text()
+    text_store([text[i : i + 400] for i in range(0, 60_000, 400)], d / "text", 0.05)
+    return d / "text"
+
+
+def _args(tmp, tag, store, mbs, accum, **extra) -> list[str]:
+    o = {"model.preset": "debug_moe", "model.router_aux_loss_coef": 0.02, "train.steps": STEPS,
+         "train.output_dir": f"{tmp}/{tag}", "train.mixed_precision": "fp32", "train.micro_batch_size": mbs,
+         "train.grad_accum": accum, "train.lr": 3e-3, "train.warmup_steps": 2, "data.seq_len": 64,
+         "data.tokenizer": "bytes", "data.path": f"store:{store}", "metrics.log_every": 1,
+         "metrics.progress_bar": False, "checkpoint.save_final": False, "train.sample_tokens": 0,
+         "eval.interval": 0, "eval.at_end": True, "eval.max_tokens": 512}
+    o.update(extra)
+    return [f"--{k}={v}" for k, v in o.items()]
+
+
+CASES = {  # name -> (grad_accum, overrides)
+    "plain": (2, {"model.router_z_loss_coef": 0.001}),
+    "lora": (1, {"lora.rank": 4, "lora.targets": "q_proj,v_proj,gate_proj,up_proj,down_proj"}),
+}
+
+
+def _runs(tmp, store, world_tag, mbs, names, **parallel):
+    kw = {f"parallel.{k}": v for k, v in parallel.items()}
+    return [(n, _args(tmp, f"{world_tag}_{n}", store, mbs, CASES[n][0], **CASES[n][1], **kw)) for n in names]
+
+
+def train_runs(runs):
+    from shardlm.config import load_config
+    from shardlm.train.trainer import Trainer
+
+    out = {}
+    for tag, overrides in runs:
+        t = Trainer(load_config(None, overrides))
+        recs = t.train()
+        experts = t.model.layers[0].mlp.experts
+        out[tag] = {k: [r[k] for r in recs if k in r] for k in ("loss", "grad_norm", "moe_aux_loss", "moe_z_loss",
+                                                                 "moe_load_max", "val_loss")}
+        out[tag]["expert_rows"] = local(experts.gate_proj).shape[0]
+        out[tag]["trainable"] = sorted({n.split(".", 2)[-1] for n, p in t.model.named_parameters() if p.requires_grad})
+        t.close()
+    return out
+
+
+def _two(tmp, store):
+    from helpers.runs import train_then
+
+    out = train_runs(_runs(tmp, store, "dp2", 1, CASES, dp_shard=2))
+    straight = _args(tmp, "dp2_straight", store, 1, 1)
+    half = _args(tmp, "dp2_half", store, 1, 1)
+    resumed = _args(tmp, "dp2_resumed", store, 1, 1, **{"checkpoint.resume": f"{tmp}/dp2_half/checkpoints/step-2"})
+    out["straight"], out["half"], out["resumed"] = train_then([(straight, None), (half, 2), (resumed, None)])
+    return out
+
+
+def _four(tmp, store):
+    out = train_runs(_runs(tmp, store, "dp4", 1, ["plain"], dp_shard=4))
+    out.update({f"hsdp_{k}": v for k, v in train_runs(_runs(tmp, store, "hsdp", 1, ["plain"], dp_replicate=2,
+                                                            dp_shard=2)).items()})
+    out.update({f"cp_{k}": v for k, v in train_runs(_runs(tmp, store, "cp", 1, ["lora"], dp_shard=2, cp=2)).items()})
+    return out
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory, store):
+    tmp = tmp_path_factory.mktemp("moe_runs")
+    # one rank: the 2-rank runs' global micro-batches (2 rows), and the 4-rank runs' (4 rows) for "plain"
+    one = _runs(tmp, store, "one", 2, CASES) + [("plain4", _runs(tmp, store, "one4", 4, ["plain"])[0][1])]
+    return {"one": run_ranks(1, train_runs, one),
+            "two": run_ranks(2, _two, tmp, store),
+            "four": run_ranks(4, _four, tmp, store)}
+
+
+def _same(a, b, what, keys=("loss", "grad_norm", "moe_aux_loss", "val_loss")):
+    for key in keys:
+        assert len(a[key]) == len(b[key]) > 0, (what, key)
+        for i, (x, y) in enumerate(zip(a[key], b[key])):
+            assert y == pytest.approx(x, rel=REL), f"{what}: {key}[{i}] {x} vs {y}"
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_two_ranks_equal_one(results, case):
+    one, two = results["one"][case], results["two"][case]
+    _same(one, two, f"{case}: dp_shard=2 vs 1 rank")
+    assert one["expert_rows"] == 8 and two["expert_rows"] == 4  # sharded by expert
+
+
+def test_four_ranks_hsdp_and_cp_equal_one(results):
+    one, four = results["one"], results["four"]
+    _same(one["plain4"], four["plain"], "dp_shard=4", keys=("loss", "grad_norm", "moe_aux_loss", "moe_z_loss"))
+    _same(one["plain4"], four["hsdp_plain"], "HSDP 2x2", keys=("loss", "grad_norm", "moe_aux_loss", "moe_z_loss"))
+    _same(one["lora"], four["cp_lora"], "dp_shard=2 x cp=2 (LoRA)")
+    assert four["plain"]["expert_rows"] == 2 and four["hsdp_plain"]["expert_rows"] == 4
+
+
+def test_the_balance_losses_are_logged_and_lora_trains_the_experts(results):
+    plain, lora = results["one"]["plain"], results["one"]["lora"]
+    assert len(plain["moe_aux_loss"]) == STEPS and all(1.0 < a < 8.0 for a in plain["moe_aux_loss"])
+    assert len(plain["moe_z_loss"]) == STEPS and all(z > 0 for z in plain["moe_z_loss"])
+    assert "moe_z_loss" not in lora or not lora["moe_z_loss"]  # off unless its coefficient is set
+    assert all(m >= 1.0 for m in plain["moe_load_max"])
+    assert {"mlp.experts.lora_A.gate_proj", "mlp.experts.lora_B.down_proj", "self_attn.q_proj.lora_A.weight"} <= \
+        set(lora["trainable"])
+    assert not any(t.endswith(("experts.gate_proj", "mlp.gate.weight")) for t in lora["trainable"])  # frozen base
+
+
+def test_resume_is_exact(results):
+    two = results["two"]
+    straight, resumed = two["straight"], two["resumed"]
+    assert resumed["start"] == 3
+    for step in (3, 4):
+        assert resumed["loss"][step] == pytest.approx(straight["loss"][step], rel=REL), step
+    assert resumed["weights"] == pytest.approx(straight["weights"], rel=1e-6)
