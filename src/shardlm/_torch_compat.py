@@ -198,3 +198,10 @@ def grouped_mm(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) -> torch
     if fn is not None:
         return fn(a, b, offs=offsets)
     return torch._grouped_mm(a, b, offs=offsets)
+
+
+def is_fake(t: torch.Tensor) -> bool:
+    """Whether `t` is a FakeTensor (the planner's fake step): data-dependent reads must not happen on it."""
+    from torch._subclasses.fake_tensor import is_fake as _is_fake
+
+    return _is_fake(t)

@@ -31,9 +31,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shardlm._torch_compat import is_fake
 
-def grouped_linear(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, offsets: torch.Tensor | None) -> torch.Tensor:
-    """Rows of x (sorted by group, `counts[g]` rows for group g) times w[g]^T: (n, in) x (G, out, in) -> (n, out).
+
+def grouped_linear(x: torch.Tensor, w: torch.Tensor, sizes: list[int] | None, offsets: torch.Tensor | None) -> torch.Tensor:
+    """Rows of x (sorted by group, `sizes[g]` rows for group g) times w[g]^T: (n, in) x (G, out, in) -> (n, out).
 
     `offsets` (int32 cumulative counts, given where the grouped kernel may run) selects `F.grouped_mm`; without
     it, one `F.linear` per group that has rows (`w.unbind(0)`: its backward stacks the groups' gradients once).
@@ -42,8 +44,10 @@ def grouped_linear(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, offse
         from shardlm._torch_compat import grouped_mm
 
         return grouped_mm(x, w.transpose(-2, -1), offsets)
+    if sizes is not None and len(set(sizes)) == 1:  # even groups (the planner's fake step): one batched matmul
+        return torch.bmm(x.view(len(sizes), sizes[0], x.shape[-1]), w.transpose(-2, -1)).flatten(0, 1)
     ws = w.unbind(0)
-    parts = [F.linear(chunk, ws[g]) for g, chunk in enumerate(x.split(counts.tolist())) if chunk.shape[0]]
+    parts = [F.linear(chunk, ws[g]) for g, chunk in enumerate(x.split(sizes)) if chunk.shape[0]]
     return torch.cat(parts) if parts else x.new_zeros(0, w.shape[1])
 
 
@@ -119,11 +123,11 @@ class Experts(nn.Module):
         self.lora_dropout = nn.Identity()
         return done
 
-    def _proj(self, x: torch.Tensor, which: str, counts: torch.Tensor, offsets: torch.Tensor | None) -> torch.Tensor:
-        y = grouped_linear(x, getattr(self, which), counts, offsets)
+    def _proj(self, x: torch.Tensor, which: str, sizes: list[int] | None, offsets: torch.Tensor | None) -> torch.Tensor:
+        y = grouped_linear(x, getattr(self, which), sizes, offsets)
         if self.lora_A is not None and which in self.lora_A:
-            h = grouped_linear(self.lora_dropout(x), self.lora_A[which], counts, offsets)
-            y = y + grouped_linear(h, self.lora_B[which], counts, offsets) * self.lora_scaling
+            h = grouped_linear(self.lora_dropout(x), self.lora_A[which], sizes, offsets)
+            y = y + grouped_linear(h, self.lora_B[which], sizes, offsets) * self.lora_scaling
         return y
 
     def forward(self, x: torch.Tensor, expert: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -131,12 +135,19 @@ class Experts(nn.Module):
         n, k = expert.shape
         flat = expert.reshape(-1)
         order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert, tokens in order
-        counts = torch.bincount(flat, minlength=self.n_experts)
         token = order // k
         xs = x[token]
-        offsets = torch.cumsum(counts, 0, dtype=torch.int32) if use_grouped_mm(xs) else None
-        h = F.silu(self._proj(xs, "gate_proj", counts, offsets)) * self._proj(xs, "up_proj", counts, offsets)
-        y = self._proj(h, "down_proj", counts, offsets)
+        sizes, offsets = None, None
+        if is_fake(x):  # the planner's fake step: no routing to read; every expert gets its even share of rows
+            sizes = [n * k // self.n_experts + (e < n * k % self.n_experts) for e in range(self.n_experts)]
+        else:
+            counts = torch.bincount(flat, minlength=self.n_experts)
+            if use_grouped_mm(xs):
+                offsets = torch.cumsum(counts, 0, dtype=torch.int32)
+            else:
+                sizes = counts.tolist()
+        h = F.silu(self._proj(xs, "gate_proj", sizes, offsets)) * self._proj(xs, "up_proj", sizes, offsets)
+        y = self._proj(h, "down_proj", sizes, offsets)
         y = y * weight.reshape(-1)[order, None].to(y.dtype)
         return torch.zeros_like(x).index_add_(0, token, y.to(x.dtype))
 

@@ -17,6 +17,7 @@ from shardlm._torch_compat import float8_linear_class
 from shardlm.config import Config, EvalSection
 from shardlm.data import MixtureLoader
 from shardlm.distributed.preflight import StepTimes
+from shardlm.models.moe import Experts
 from shardlm.observe.metrics import MetricsLogger
 from shardlm.observe.wandb_log import WandbLogger
 
@@ -148,4 +149,17 @@ def trainable_note(cfg: Config, model: nn.Module, params: list, base_dtype: str)
     if trainable == total:
         return ""
     lora = f": LoRA r={cfg.lora.rank}, base {base_dtype}" if cfg.lora.rank else ""
+    if base_dtype == "nf4" and any(isinstance(m, Experts) for m in model.modules()):
+        # said, not hidden: QLoRA quantises the linears; the stacked expert weights keep the frozen dtype
+        dtype = next(m.gate_proj.dtype for m in model.modules() if isinstance(m, Experts))
+        lora += f" (stacked experts: {str(dtype).removeprefix('torch.')}, NF4 of stacked experts is not implemented)"
     return f" ({trainable / 1e6:.3f}M = {100 * trainable / total:.1f}% trainable{lora})"
+
+
+def experts_note(mc: Any) -> str:
+    """` (3.35B active: top-8 of 128 experts in 48 layers)` for a mixture of experts, else ``."""
+    if not mc.n_experts:
+        return ""
+    active = mc.num_params(active=True)
+    return (f" ({active / 1e6:.2f}M active: top-{mc.n_experts_per_tok} of {mc.n_experts} experts in "
+            f"{mc.n_moe_layers} of {mc.n_layers} layers)")

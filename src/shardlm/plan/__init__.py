@@ -97,7 +97,8 @@ def measure(cfg: Config, world_size: int, usable_bytes: int, name: str, override
     """One scenario: a fake step of `cfg` (or two short ones, extrapolated)."""
     t0 = time.perf_counter()
     mc, _ = model_config(cfg)
-    reduced = None if exact else reduced_layers(mc.n_layers, period_of(cfg))
+    period = period_of(cfg, mc)  # None: the blocks do not repeat (an MoE's dense layers at given indices)
+    reduced = None if exact or period is None else reduced_layers(mc.n_layers, period)
     note, step = "", None
     if reduced is not None:
         a, b = (fake_step(cfg, world_size, dataclasses.replace(mc, n_layers=n), phases=True,
@@ -236,7 +237,8 @@ def plan(cfg: Config, world_size: int, gpu_mem_gib: float, gpus_per_node: int = 
     report = PlanReport(model=cfg.model.init_from or cfg.model.preset, n_params=step.n_params,
                         trainable_params=step.trainable, world_size=world_size, gpus_per_node=gpus_per_node,
                         gpu_mem_gib=gpu_mem_gib, headroom=headroom, base=base, notes=notes,
-                        document_attention=f"{backend}: {why}" if cfg.data.document_mask else "", host=host)
+                        document_attention=f"{backend}: {why}" if cfg.data.document_mask else "", host=host,
+                        active_params=mc.num_params(active=True) if mc.n_experts else None)
 
     def run(variant: Config, ws: int, name: str, overrides: dict) -> Scenario:
         return measure(variant, ws, usable, name, overrides, exact=exact, document_attention=backend)[0]

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import math
+
 from shardlm.config import Config
+from shardlm.models.llama import ModelConfig
 from shardlm.plan.fake_step import StepMemory
 
 # -- fewer layers, same answer ---------------------------------------------------------------------
@@ -25,9 +28,16 @@ _EDGE = 2
 MIN_SAVING = 12  # blocks: see `reduced_layers` (tests lower it to extrapolate small models)
 
 
-def period_of(cfg: Config) -> int:
-    """Layers after which the block pattern repeats: train.ac_every under selective AC, else 1."""
-    return cfg.train.ac_every if cfg.train.ac == "selective" else 1
+def period_of(cfg: Config, mc: ModelConfig | None = None) -> int | None:
+    """Layers after which the block pattern repeats: train.ac_every under selective AC, else 1; a mixture of
+    experts with a sparse block every `moe_layer_step` blocks repeats at their least common multiple, and one
+    with dense blocks at given indices (mlp_only_layers) not at all: None (plan every layer)."""
+    period = cfg.train.ac_every if cfg.train.ac == "selective" else 1
+    if mc is not None and mc.n_experts:
+        if mc.dense_layers:
+            return None
+        period = math.lcm(period, mc.moe_layer_step)
+    return period
 
 
 def reduced_layers(n_layers: int, period: int) -> tuple[int, int] | None:

@@ -119,6 +119,7 @@ class PlanReport:
     seconds: float = 0.0
     document_attention: str = ""  # with data.document_mask: "flex: why" or "sdpa-mask: why" (plan.attention)
     host: Any = None  # plan.host.HostTerms: host memory per rank and node
+    active_params: int | None = None  # a mixture of experts: what one token runs through (None: dense)
 
     @property
     def fits(self) -> bool:
@@ -140,7 +141,8 @@ class PlanReport:
     def to_dict(self) -> dict[str, Any]:
         best = self.best_alternative()
         return {
-            "model": self.model, "n_params": self.n_params, "trainable_params": self.trainable_params,
+            "model": self.model, "n_params": self.n_params, "active_params": self.active_params,
+            "trainable_params": self.trainable_params,
             "world_size": self.world_size, "gpus_per_node": self.gpus_per_node, "gpu_mem_gib": self.gpu_mem_gib,
             "headroom": self.headroom, "usable_gib": round(self.usable_gib, 3), "fits": self.fits,
             "peak_gib": round(self.peak_gib, 3), "base": self.base.to_dict(),
@@ -158,7 +160,9 @@ class PlanReport:
         b = self.base
         nodes = self.world_size / self.gpus_per_node
         lines = [
-            f"shardlm plan: {self.model} ({_count(self.n_params)} params, {_count(self.trainable_params)} trainable) "
+            f"shardlm plan: {self.model} ({_count(self.n_params)} params, "
+            f"{f'{_count(self.active_params)} active, ' if self.active_params else ''}"
+            f"{_count(self.trainable_params)} trainable) "
             f"on {self.world_size} ranks ({nodes:g} x {self.gpus_per_node} GPUs) of {self.gpu_mem_gib:g} GiB; "
             f"usable {fmt_bytes(b.usable_bytes)} ({self.headroom:.0%} headroom)",
             f"  micro_batch_size={b.micro_batch_size} seq_len={b.seq_len} grad_accum={b.grad_accum} ac={b.ac} "

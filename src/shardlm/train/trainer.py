@@ -32,7 +32,7 @@ from shardlm.generate import sample
 from shardlm.models.llama import document_attention_backend
 from shardlm.observe.metrics import MetricsLogger, Throughput, peak_flops, read_and_reset_peak_memory
 from shardlm.observe.profiler import PhaseTimer, StepProfiler
-from shardlm.observe.report import Report, data_note, fastpath_note, mesh_note, precision_note, trainable_note
+from shardlm.observe.report import Report, data_note, experts_note, fastpath_note, mesh_note, precision_note, trainable_note
 from shardlm.observe.wandb_log import run_wandb
 from shardlm.parallel.dims import dp_rank
 from shardlm.parallel.fsdp import DTYPES, clip_grad_norm_, settle_auto_reshard
@@ -402,7 +402,8 @@ class Trainer:
         self.log(
             f"shardlm: {self.env.world_size} rank(s) on {dev} ({self.env.backend}), mesh "
             f"{mesh_note(self.mesh, self.dims_reason)} | model {self.cfg.model.init_from or self.cfg.model.preset}: "
-            f"{mc.num_params() / 1e6:.2f}M params{trainable_note(self.cfg, self.model, self.params, self.run.base_dtype)}, "
+            f"{mc.num_params() / 1e6:.2f}M params{experts_note(mc)}"
+            f"{trainable_note(self.cfg, self.model, self.params, self.run.base_dtype)}, "
             f"{precision_note(self.cfg, dev, self.model, self.run.fp8_all_gather)} | data "
             f"{data_note(self.cfg, self.stores, is_store(self.cfg.data.path), self.attention_note)}, "
             f"{m['tokens'] / 1e6:.2f}M tokens, {self.loader.n_rows} sequences of {d.seq_len} | global batch "

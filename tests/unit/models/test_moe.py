@@ -180,7 +180,7 @@ def test_dispatch_equals_a_per_token_reference_and_gives_idle_experts_zero_grads
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     got.sum().backward()
     assert ex.gate_proj.grad[3:].abs().max() == 0 and ex.gate_proj.grad[:3].abs().min(0).values.max() > 0
-    empty = grouped_linear(torch.zeros(0, 8), ex.gate_proj, torch.zeros(5, dtype=torch.long), None)
+    empty = grouped_linear(torch.zeros(0, 8), ex.gate_proj, [0] * 5, None)
     assert empty.shape == (0, 6)
 
 
