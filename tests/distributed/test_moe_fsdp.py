@@ -3,7 +3,8 @@
 The same runs on 1 rank, on dp_shard=2, and on dp_shard=4, HSDP 2x2 and dp_shard=2 x cp=2 over 4 ranks give the
 same losses, gradient norms and load-balancing losses (fp32, rel 1e-5): the router statistics are summed over
 every rank before the backward, so the balance loss is the global micro-batch's however the batch is split.
-Cases: plain with grad_accum=2 and the z-loss on, and LoRA on attention and on the stacked experts. The experts
+Cases: plain with grad_accum=2 and the z-loss on, and LoRA on attention and on the stacked experts under full
+activation checkpointing. The experts
 are sharded by expert (dim 0: 8 experts -> 4 per rank of 2). A run stopped at step 2 and resumed equals the
 uninterrupted run, and the logged aux loss is the mean of HF's loss over the micro-batches (finite, > 1: top-k
 picks are never perfectly balanced on a random model).
@@ -41,7 +42,8 @@ def _args(tmp, tag, store, mbs, accum, **extra) -> list[str]:
 
 CASES = {  # name -> (grad_accum, overrides)
     "plain": (2, {"model.router_z_loss_coef": 0.001}),
-    "lora": (1, {"lora.rank": 4, "lora.targets": "q_proj,v_proj,gate_proj,up_proj,down_proj"}),
+    # + full activation checkpointing: the recomputed forward records the routing again (the same numbers)
+    "lora": (1, {"lora.rank": 4, "lora.targets": "q_proj,v_proj,gate_proj,up_proj,down_proj", "train.ac": "full"}),
 }
 
 

@@ -62,6 +62,11 @@ CASES = {
     # loses most of the (512, 8192) logits; the default 4096 covers every other case's micro-batch whole
     "mid_fp32_mb4_chunked_ce": ([*MID, "--train.mixed_precision=fp32", "--train.micro_batch_size=4",
                                  "--data.seq_len=128", "--train.loss_chunk_tokens=128"], "none"),
+    # a mixture of experts (8 experts, top-2): stacked expert weights sharded by expert, the dispatch buffers
+    # (2 x 1024 gathered rows and their expert activations), the router's fp32 probabilities. The planner routes
+    # evenly (fake tensors hold no routing); the real run routes as its router says: the bytes are the same
+    "debug_moe_fp32": (["--model.preset=debug_moe", "--train.mixed_precision=fp32", "--train.micro_batch_size=8",
+                        "--data.seq_len=128"], "none"),
 }
 
 

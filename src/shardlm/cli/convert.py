@@ -16,6 +16,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     d2h.add_argument("--adapter-only", action="store_true", help="write a peft adapter instead")
     d2h.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
     d2h.add_argument("--tokenizer", default=None, metavar="DIR", help="directory whose tokenizer files to copy")
+    d2h.add_argument("--expert-layout", choices=("per-expert", "fused"), default="per-expert",
+                     help="a mixture of experts' weights: one tensor per expert and projection, as the published "
+                          "checkpoints (default), or newer transformers' fused experts.gate_up_proj")
     h2d = sub.add_parser("hf-to-dcp", prog=f"{p.prog} hf-to-dcp",
                          help="an HF model folder -> a DCP checkpoint (model only)")
     h2d.add_argument("hf_dir", metavar="HF_DIR")
@@ -34,7 +37,7 @@ def run(a: argparse.Namespace, overrides: list[str]) -> int:
     from shardlm.interop.hf.export import export_checkpoint  # lazy: keeps torch out of --help
 
     info = export_checkpoint(a.checkpoint, a.out, merge_lora=a.merge_lora, adapter_only=a.adapter_only,
-                             dtype=a.dtype, tokenizer_dir=a.tokenizer)
+                             dtype=a.dtype, tokenizer_dir=a.tokenizer, expert_layout=a.expert_layout)
     if info["kind"] == "peft":
         print(f"wrote peft adapter to {a.out} (adapter_model.safetensors, adapter_config.json)")
         return 0

@@ -75,9 +75,8 @@ class RouterLosses:
 
     def read(self) -> dict[str, float]:
         """Since the last read (a log interval): the mean aux and z losses per micro-batch, and how evenly the
-        experts were loaded (one host read): load_max =
-        the busiest expert's tokens / the mean; overflow = the share of (token, expert) picks beyond what each
-        expert would take at capacity factor 1 (none is dropped here: this is what a capacity-limited router
+        experts were loaded (one host read): load_max (load_min) = the busiest (idlest) expert's tokens / the
+        mean; overflow = the share of (token, expert) picks beyond what each expert would take at capacity factor 1 (none is dropped here: this is what a capacity-limited router
         would have dropped)."""
         if self.total is None:
             return {}
@@ -86,6 +85,7 @@ class RouterLosses:
         counts = total[2:]
         mean = sum(counts) / len(counts)
         rec = {"moe_aux_loss": total[0] / n, "moe_load_max": max(counts) / mean if mean else None,
+               "moe_load_min": min(counts) / mean if mean else None,
                "moe_overflow": sum(max(0.0, c - mean) for c in counts) / sum(counts) if mean else None}
         if self.balance.z_coef:
             rec["moe_z_loss"] = total[1] / n

@@ -205,3 +205,25 @@ def test_bad_moe_configs_are_one_line():
         config_from_hf({**hf, "router_jitter_noise": 0.1})
     with pytest.raises(ValueError, match="cannot represent a model with 128 experts"):
         config_to_hf(PRESETS["qwen3_30b_a3b"], "qwen3")
+
+
+def test_router_coefficients_override_an_hf_model_but_its_shape_does_not(family):
+    """model.router_aux_loss_coef changes training, not the checkpoint: allowed with model.init_from (and the load's
+    config check lets it through); an expert-count override of a loaded model is one line."""
+    import dataclasses
+
+    from shardlm.build import build_model_config
+    from shardlm.config import load_config
+    from shardlm.errors import ConfigError
+    from shardlm.interop.hf.load import load_hf_weights
+
+    _, _, per_expert, _ = family
+    cfg = load_config(None, [f"--model.init_from=hf:{per_expert}", "--model.router_aux_loss_coef=0.5",
+                             "--model.router_z_loss_coef=0.01", "--data.seq_len=64"])
+    mc = build_model_config(cfg, 0)
+    assert (mc.router_aux_loss_coef, mc.router_z_loss_coef) == (0.5, 0.01) and mc.n_experts
+    model = Transformer(dataclasses.replace(mc))
+    model.rope.reset_parameters()
+    assert load_hf_weights(model, per_expert) == []
+    with pytest.raises(ConfigError, match="model.n_experts cannot change the shape"):
+        build_model_config(load_config(None, [f"--model.init_from=hf:{per_expert}", "--model.n_experts=2"]), 0)

@@ -534,7 +534,8 @@ def recorded_tokenizer(ck: Path, meta: CheckpointMeta) -> str | None:
 
 def export_checkpoint(checkpoint_dir: str | os.PathLike, out: str | os.PathLike, *, merge_lora: bool = False,
                       adapter_only: bool = False, dtype: str = "bf16",
-                      tokenizer_dir: str | os.PathLike | None = None, log=print) -> dict[str, Any]:
+                      tokenizer_dir: str | os.PathLike | None = None, expert_layout: str = "per-expert",
+                      log=print) -> dict[str, Any]:
     """`shardlm convert dcp-to-hf`: a checkpoint folder exported on its own, from its sidecar files.
 
     adapter_only: a peft adapter (its base named from the checkpoint's HF source). Otherwise an HF
@@ -592,5 +593,6 @@ def export_checkpoint(checkpoint_dir: str | os.PathLike, out: str | os.PathLike,
         log(f"shardlm: warning: {ck} is a QLoRA run (lora.base_dtype=nf4): the adapters are merged into the "
             "NF4-quantised base they were trained against (dequantised, as saved), not the original weights")
     info = export_hf(ck, out, dtype=dtype, merge_lora=merge_lora, tokenizer_dir=tok,
-                     hf_config_overrides=overrides or None, generation=gen, keep=[base_dir], log=log)
+                     hf_config_overrides=overrides or None, generation=gen, keep=[base_dir],
+                     expert_layout=expert_layout, log=log)
     return {"kind": "hf", "tokenizer": "bytes" if byte_tokenizer else tok, "generation": gen is not None, **info}

@@ -121,6 +121,9 @@ def _check_config(model_cfg: ModelConfig, hf_dir: Path) -> None:
     if not (hf_dir / "config.json").is_file():
         return
     theirs, _ = read_hf_config(hf_dir, max_seq_len=model_cfg.max_seq_len)
+    # training coefficients are not the checkpoint's shape: model.router_*_loss_coef may override them
+    theirs = dataclasses.replace(theirs, router_aux_loss_coef=model_cfg.router_aux_loss_coef,
+                                 router_z_loss_coef=model_cfg.router_z_loss_coef)
     diff = [f"{f.name} {getattr(model_cfg, f.name)!r} vs {getattr(theirs, f.name)!r}"
             for f in dataclasses.fields(ModelConfig) if getattr(model_cfg, f.name) != getattr(theirs, f.name)]
     if diff:
