@@ -203,6 +203,7 @@ def load_merged_lora(model: Transformer, ck: Path, pairs: Pairs, scaling: float,
         a = factors[ab["A"]]
         a = a[rows] if a.dim() == 3 else a  # stacked experts: the rows are experts, in both factors
         delta = lora_delta(a, factors[ab["B"]][rows], scaling)
+        delta = delta[(slice(None), *(slice(o, o + n) for o, n in zip(offset[1:], shape[1:])))]  # dim-1 shards
         local.copy_((local.float() + delta).to(local.dtype))
 
 

@@ -5,7 +5,8 @@ same losses, gradient norms and load-balancing losses (fp32, rel 1e-5): the rout
 every rank before the backward, so the balance loss is the global micro-batch's however the batch is split.
 Cases: plain with grad_accum=2 and the z-loss on, and LoRA on attention and on the stacked experts under full
 activation checkpointing. The experts
-are sharded by expert (dim 0: 8 experts -> 4 per rank of 2). A run stopped at step 2 and resumed equals the
+are sharded by expert (dim 0: 8 experts -> 4 per rank of 2); 3 experts over 4 ranks shard on another dim (each
+stacked weight's largest) and still give one rank's losses. A run stopped at step 2 and resumed equals the
 uninterrupted run, and the logged aux loss is the mean of HF's loss over the micro-batches (finite, > 1: top-k
 picks are never perfectly balanced on a random model).
 """
@@ -44,6 +45,8 @@ CASES = {  # name -> (grad_accum, overrides)
     "plain": (2, {"model.router_z_loss_coef": 0.001}),
     # + full activation checkpointing: the recomputed forward records the routing again (the same numbers)
     "lora": (1, {"lora.rank": 4, "lora.targets": "q_proj,v_proj,gate_proj,up_proj,down_proj", "train.ac": "full"}),
+    # 3 experts over 4 ranks: fewer experts than ranks, so each stacked weight shards on its largest other dim
+    "few": (1, {"model.n_experts": 3, "lora.rank": 4}),
 }
 
 
@@ -64,6 +67,8 @@ def train_runs(runs):
         out[tag] = {k: [r[k] for r in recs if k in r] for k in ("loss", "grad_norm", "moe_aux_loss", "moe_z_loss",
                                                                  "moe_load_max", "val_loss")}
         out[tag]["expert_rows"] = local(experts.gate_proj).shape[0]
+        out[tag]["expert_shard"] = tuple(local(experts.gate_proj).shape), tuple(local(experts.down_proj).shape), \
+            tuple(local(experts.lora_A["down_proj"]).shape) if experts.lora_A is not None else None
         out[tag]["trainable"] = sorted({n.split(".", 2)[-1] for n, p in t.model.named_parameters() if p.requires_grad})
         t.close()
     return out
@@ -85,6 +90,7 @@ def _four(tmp, store):
     out.update({f"hsdp_{k}": v for k, v in train_runs(_runs(tmp, store, "hsdp", 1, ["plain"], dp_replicate=2,
                                                             dp_shard=2)).items()})
     out.update({f"cp_{k}": v for k, v in train_runs(_runs(tmp, store, "cp", 1, ["lora"], dp_shard=2, cp=2)).items()})
+    out.update(train_runs(_runs(tmp, store, "dp4", 1, ["few"], dp_shard=4)))
     return out
 
 
@@ -92,7 +98,8 @@ def _four(tmp, store):
 def results(tmp_path_factory, store):
     tmp = tmp_path_factory.mktemp("moe_runs")
     # one rank: the 2-rank runs' global micro-batches (2 rows), and the 4-rank runs' (4 rows) for "plain"
-    one = _runs(tmp, store, "one", 2, CASES) + [("plain4", _runs(tmp, store, "one4", 4, ["plain"])[0][1])]
+    one = _runs(tmp, store, "one", 2, ["plain", "lora"]) + [("plain4", _runs(tmp, store, "one4", 4, ["plain"])[0][1])] \
+        + _runs(tmp, store, "one", 4, ["few"])
     return {"one": run_ranks(1, train_runs, one),
             "two": run_ranks(2, _two, tmp, store),
             "four": run_ranks(4, _four, tmp, store)}
@@ -105,7 +112,7 @@ def _same(a, b, what, keys=("loss", "grad_norm", "moe_aux_loss", "val_loss")):
             assert y == pytest.approx(x, rel=REL), f"{what}: {key}[{i}] {x} vs {y}"
 
 
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", ["plain", "lora"])
 def test_two_ranks_equal_one(results, case):
     one, two = results["one"][case], results["two"][case]
     _same(one, two, f"{case}: dp_shard=2 vs 1 rank")
@@ -118,6 +125,14 @@ def test_four_ranks_hsdp_and_cp_equal_one(results):
     _same(one["plain4"], four["hsdp_plain"], "HSDP 2x2", keys=("loss", "grad_norm", "moe_aux_loss", "moe_z_loss"))
     _same(one["lora"], four["cp_lora"], "dp_shard=2 x cp=2 (LoRA)")
     assert four["plain"]["expert_rows"] == 2 and four["hsdp_plain"]["expert_rows"] == 4
+
+
+def test_fewer_experts_than_ranks_shard_each_expert_on_another_dim(results):
+    one, four = results["one"]["few"], results["four"]["few"]
+    _same(one, four, "3 experts over dp_shard=4")
+    # gate_proj (3, 48, 128): dim 2 (128) over 4 ranks; down_proj (3, 128, 48): dim 1; LoRA A (3, 4, 48): dim 2
+    assert one["expert_shard"] == ((3, 48, 128), (3, 128, 48), (3, 4, 48))
+    assert four["expert_shard"] == ((3, 48, 32), (3, 32, 48), (3, 4, 12)), four["expert_shard"]
 
 
 def test_the_balance_losses_are_logged_and_lora_trains_the_experts(results):

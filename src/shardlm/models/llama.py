@@ -502,9 +502,10 @@ class OutputHead(nn.Linear):
 
 # An init spec: ("normal", std) | ("ones",) | ("zeros",)
 InitSpec = tuple
-# Maps a parameter to (its local tensor, the global index of its first row). The identity for
-# plain tensors; `shardlm.parallel` passes one that understands sharded DTensors.
-ShardView = Callable[[torch.Tensor], tuple[torch.Tensor, int]]
+# Maps a parameter to (its local tensor, the global index of its first row, or its offset in every dim when
+# sharded along another dim). The identity for plain tensors; `shardlm.parallel` passes one that understands
+# sharded DTensors.
+ShardView = Callable[[torch.Tensor], tuple[torch.Tensor, Any]]
 
 
 def _whole(p: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -645,9 +646,15 @@ class Transformer(nn.Module):
 
 
 def fill_param(
-    local: torch.Tensor, row0: int, full_shape: torch.Size, spec: InitSpec, seed: int, name: str
+    local: torch.Tensor, row0: int | tuple[int, ...], full_shape: torch.Size, spec: InitSpec, seed: int, name: str
 ) -> None:
-    """Fill `local` (rows row0.. of a tensor of `full_shape`) according to `spec`, shard-invariantly."""
+    """Fill `local` (rows row0.. of a tensor of `full_shape`) according to `spec`, shard-invariantly.
+
+    `row0` may be the shard's offset in every dim (a shard along another dim than 0: stacked experts over more
+    ranks than experts): its rows are drawn whole and cut."""
+    offsets = (row0,) + (0,) * (len(full_shape) - 1) if isinstance(row0, int) else tuple(row0)
+    row0 = offsets[0]
+    cut = tuple(slice(o, o + n) for o, n in zip(offsets[1:], local.shape[1:]))
     kind = spec[0]
     if kind == "ones":
         local.fill_(1.0)
@@ -667,4 +674,4 @@ def fill_param(
         gen.manual_seed(base + b)
         vals = torch.randn((hi - lo, *full_shape[1:]), generator=gen, device=local.device, dtype=torch.float32)
         a, z = max(lo, row0), min(hi, row0 + n_rows)
-        local[a - row0 : z - row0].copy_(vals[a - lo : z - lo].mul_(std))
+        local[a - row0 : z - row0].copy_(vals[(slice(a - lo, z - lo), *cut)].mul_(std))

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shardlm._torch_compat import is_fake
+from shardlm._torch_compat import grouped_mm, has_grouped_mm, is_fake
 
 
 def grouped_linear(x: torch.Tensor, w: torch.Tensor, sizes: list[int] | None, offsets: torch.Tensor | None) -> torch.Tensor:
@@ -41,8 +41,6 @@ def grouped_linear(x: torch.Tensor, w: torch.Tensor, sizes: list[int] | None, of
     it, one `F.linear` per group that has rows (`w.unbind(0)`: its backward stacks the groups' gradients once).
     """
     if offsets is not None:
-        from shardlm._torch_compat import grouped_mm
-
         return grouped_mm(x, w.transpose(-2, -1), offsets)
     if sizes is not None and len(set(sizes)) == 1:  # even groups (the planner's fake step): one batched matmul
         return torch.bmm(x.view(len(sizes), sizes[0], x.shape[-1]), w.transpose(-2, -1)).flatten(0, 1)
@@ -55,8 +53,6 @@ def use_grouped_mm(x: torch.Tensor) -> bool:
     """Whether the grouped kernel runs for activations x (CUDA, bf16, a torch that has it)."""
     if not x.is_cuda or x.dtype != torch.bfloat16:
         return False
-    from shardlm._torch_compat import has_grouped_mm
-
     return has_grouped_mm()
 
 

@@ -17,10 +17,11 @@ from torch.distributed.fsdp import (
     OffloadPolicy,
     fully_shard,
 )
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
 from shardlm._torch_compat import compute_local_shape_and_global_offset
 from shardlm.models.llama import OutputHead
+from shardlm.models.moe import Experts
 from shardlm.quant.nf4 import is_nf4
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -156,8 +157,10 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, mp: MixedPrecisionPolicy,
     if pending and (cpu_offload or mesh.device_type != "cuda"):
         pending, why = False, f"auto: the last block ({'CPU offload' if cpu_offload else 'no GPU'}: no device memory to use)"
     extra = {"ignored_params": ignored} if ignored else {}
+    placement = expert_placement(model, mesh.size(mesh.ndim - 1))
     for i, block in enumerate(blocks):
-        fully_shard(block, mesh=mesh, mp_policy=mp, offload_policy=offload, reshard_after_forward=i < n - k, **extra)
+        fully_shard(block, mesh=mesh, mp_policy=mp, offload_policy=offload, reshard_after_forward=i < n - k,
+                    **extra, **({"shard_placement_fn": placement} if placement else {}))
     if isinstance(getattr(model, "lm_head", None), OutputHead):  # untied: embedding and head need not live all step
         # the embedding runs first in forward and last in backward: freed in between (gathered again at the end)
         fully_shard(model.embed_tokens, mesh=mesh, mp_policy=mp, offload_policy=offload,
@@ -170,6 +173,24 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, mp: MixedPrecisionPolicy,
     set_prefetch(blocks, prefetch)
     model.fsdp_choices = FsdpChoices(k, n, why, prefetch, block_bytes, pending, len(ignored))
     return model  # type: ignore[return-value]
+
+
+def expert_placement(model: nn.Module, shard_size: int):
+    """fully_shard's `shard_placement_fn` for a mixture of experts sharded over more ranks than it has experts,
+    else None. Stacked experts shard on dim 0 (by expert) by default; with fewer experts than ranks (Mixtral's 8 on
+    16+ GPUs) dim 0 would leave ranks holding padding and every all-gather `shard_size` experts long, so each
+    stacked parameter (and its LoRA factors) shards on its largest other dim instead, as torchtitan does."""
+    experts = [m for m in model.modules() if isinstance(m, Experts)]
+    if not experts or shard_size <= experts[0].n_experts:
+        return None
+    ids = {id(p) for m in experts for p in m.parameters()}
+
+    def placement(p: nn.Parameter) -> Shard | None:
+        if id(p) not in ids:
+            return None
+        return Shard(max(range(1, p.ndim), key=lambda d: p.shape[d]))
+
+    return placement
 
 
 def keep_unsharded(model: nn.Module, k: int) -> None:
@@ -220,12 +241,15 @@ def shard_region(p: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...], tuple[
     return local, tuple(shape), tuple(offset)
 
 
-def shard_view(p: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """(local tensor, global index of its first row) of a dim-0 sharded DTensor, or (p, 0)."""
+def shard_view(p: torch.Tensor) -> tuple[torch.Tensor, int | tuple[int, ...]]:
+    """(local tensor, global index of its first row) of a dim-0 sharded DTensor, or (p, 0); for a shard along
+    another dim (`expert_placement`), (local tensor, its offset in every dim)."""
     if not isinstance(p, DTensor):
         return p, 0
-    local, _, offset = shard_region(p)
-    return local, (offset[0] if offset else 0)
+    local, shape, offset = shard_region(p)
+    if not offset:
+        return local, 0
+    return (local, offset[0]) if tuple(shape[1:]) == tuple(p.shape[1:]) else (local, tuple(offset))
 
 
 @torch.no_grad()
