@@ -4,7 +4,7 @@
 
 (1) plan: `shardlm plan` (offline, fake tensors) of each MoE preset, a full fine-tune, LoRA r16 (attention and every
     expert) and QLoRA r16 (lora.base_dtype=nf4: the attention linears in NF4, the stacked experts bf16), bf16, full
-    AC, micro-batch 4 x 4096 tokens, chunked loss (4096), no alternatives: the smallest count of 80 GiB GPUs (8 per
+    AC, micro-batch 1 x 4096 tokens, chunked loss (4096), no alternatives: the smallest count of 80 GiB GPUs (8 per
     node, doubling from 8) at which the plan fits, and its per-GPU total (`= on the GPU`).
 (2) cpu: tokens/s of a training step (forward + backward, fp32, one process, 2 cores) of the debug_moe model (8
     experts, top-2) and of the dense model of the same active size (the same blocks with a SwiGLU of top_k x
@@ -31,7 +31,7 @@ GIB = 2**30
 PRESETS = ("qwen3_30b_a3b", "mixtral_8x7b", "mixtral_8x22b", "qwen3_235b_a22b")
 MODES = {"full": [], "LoRA r16": ["--lora.rank=16", "--lora.alpha=32"],
          "QLoRA r16": ["--lora.rank=16", "--lora.alpha=32", "--lora.base_dtype=nf4"]}
-PLAN_ARGS = ["--train.micro_batch_size=4", "--data.seq_len=4096", "--train.mixed_precision=bf16", "--train.ac=full",
+PLAN_ARGS = ["--train.micro_batch_size=1", "--data.seq_len=4096", "--train.mixed_precision=bf16", "--train.ac=full",
              "--train.loss_chunk_tokens=4096", "--train.grad_accum=1"]
 
 
@@ -148,7 +148,7 @@ def main() -> None:
     args = ap.parse_args()
     lines = ["mixtures of experts: planned GPUs per preset, and the CPU cost of routing", ""]
     if args.part in ("plan", "both"):
-        lines += ["(1) `shardlm plan` per GPU (80 GiB, 10% headroom), bf16, full AC, 4 x 4096 tokens, chunked loss:",
+        lines += ["(1) `shardlm plan` per GPU (80 GiB, 10% headroom), bf16, full AC, 1 x 4096 tokens, chunked loss:",
                   *plan_rows(), ""]
     if args.part in ("cpu", "both"):
         lines += ["(2) CPU throughput, MoE vs the dense model of the same active size:", *cpu_rows(), ""]
