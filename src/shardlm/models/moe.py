@@ -126,6 +126,16 @@ class Experts(nn.Module):
             y = y + grouped_linear(h, self.lora_B[which], sizes, offsets) * self.lora_scaling
         return y
 
+    def _swiglu(self, xs: torch.Tensor, sizes: list[int] | None, offsets: torch.Tensor | None) -> torch.Tensor:
+        h = F.silu(self._proj(xs, "gate_proj", sizes, offsets)) * self._proj(xs, "up_proj", sizes, offsets)
+        return self._proj(h, "down_proj", sizes, offsets)
+
+    @torch.compiler.disable
+    def _looped(self, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """The per-expert loop, outside torch.compile: its row counts are read on the host and differ every step
+        (compiled, each new set of counts would be a recompile)."""
+        return self._swiglu(xs, counts.tolist(), None)
+
     def forward(self, x: torch.Tensor, expert: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """x (N, dim); expert, weight (N, k): each token's experts and their weights -> (N, dim)."""
         n, k = expert.shape
@@ -133,17 +143,15 @@ class Experts(nn.Module):
         order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert, tokens in order
         token = order // k
         xs = x[token]
-        sizes, offsets = None, None
         if is_fake(x):  # the planner's fake step: no routing to read; every expert gets its even share of rows
-            sizes = [n * k // self.n_experts + (e < n * k % self.n_experts) for e in range(self.n_experts)]
+            y = self._swiglu(xs, [n * k // self.n_experts + (e < n * k % self.n_experts) for e in range(self.n_experts)],
+                             None)
         else:
             counts = torch.bincount(flat, minlength=self.n_experts)
             if use_grouped_mm(xs):
-                offsets = torch.cumsum(counts, 0, dtype=torch.int32)
+                y = self._swiglu(xs, None, torch.cumsum(counts, 0, dtype=torch.int32))
             else:
-                sizes = counts.tolist()
-        h = F.silu(self._proj(xs, "gate_proj", sizes, offsets)) * self._proj(xs, "up_proj", sizes, offsets)
-        y = self._proj(h, "down_proj", sizes, offsets)
+                y = self._looped(xs, counts)
         y = y * weight.reshape(-1)[order, None].to(y.dtype)
         return torch.zeros_like(x).index_add_(0, token, y.to(x.dtype))
 
