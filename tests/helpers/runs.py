@@ -5,12 +5,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from helpers.whole import whole
+from helpers.whole import whole_blocking
 
 
 def checksums(model) -> dict[str, float]:
-    """Each parameter's whole sum (float64): equal sums, equal weights for these comparisons."""
-    return {n: whole(p).double().sum().item() for n, p in model.named_parameters()}
+    """Each parameter's whole sum (float64): equal sums, equal weights for these comparisons. Gathered with blocking
+    c10d collectives (`whole_blocking`: an NF4 weight dequantised per shard), not `full_tensor()`."""
+    return {n: whole_blocking(p).double().sum().item() for n, p in model.named_parameters()}
 
 
 def optim_checksum(trainer) -> float:
