@@ -192,11 +192,11 @@ class RouterBalance:
         self.z_sums: dict[int, torch.Tensor] = {}
         self._total: torch.Tensor | None = None  # [counts (E), prob sums (E), z sum] over layers and ranks
 
-    def record(self, layer: int, logits: torch.Tensor, probs: torch.Tensor, expert: torch.Tensor) -> None:
+    def record(self, layer: int, expert: torch.Tensor, prob_sum: torch.Tensor, z_sum: torch.Tensor) -> None:
+        """Layer `layer`'s top-k picks (N, k) and its summed probabilities and z (kept detached)."""
         with torch.no_grad():
             self.counts[layer] = torch.bincount(expert.reshape(-1), minlength=self.n_experts).float()
-            self.prob_sums[layer] = probs.detach().float().sum(0)
-            self.z_sums[layer] = torch.logsumexp(logits.detach().float(), -1).pow(2).sum()
+        self.prob_sums[layer], self.z_sums[layer] = prob_sum.detach(), z_sum.detach()
 
     def local(self) -> torch.Tensor:
         """This rank's [counts, prob sums, z sum] summed over the layers (2E + 1 floats)."""
@@ -262,9 +262,9 @@ class _AttachBalance(torch.autograd.Function):
 @torch.compiler.disable
 def _attach(out: torch.Tensor, layer: int, logits: torch.Tensor, probs: torch.Tensor, expert: torch.Tensor,
             balance: RouterBalance) -> torch.Tensor:
-    balance.record(layer, logits, probs, expert)
-    z = torch.logsumexp(logits.float(), -1).pow(2).sum()
-    return _AttachBalance.apply(out, probs.float().sum(0), z, balance)
+    prob_sum, z = probs.float().sum(0), torch.logsumexp(logits.float(), -1).pow(2).sum()  # once: recorded and attached
+    balance.record(layer, expert, prob_sum, z)
+    return _AttachBalance.apply(out, prob_sum, z, balance)
 
 
 class MoE(nn.Module):
