@@ -49,9 +49,9 @@ def _batches(world: int):
 
 
 def _grads(m) -> dict:
-    from torch.distributed.tensor import DTensor
+    from helpers.whole import whole
 
-    return {n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).clone()
+    return {n: whole(p.grad).clone()
             for n, p in m.named_parameters() if p.grad is not None}
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 from helpers.launch import run_ranks
-from helpers.whole import local
+from helpers.whole import local, whole
 
 STEPS = 8
 
@@ -54,7 +54,7 @@ def _snapshot(trainer) -> dict:
     model_sd, optim_sd = get_state_dict(trainer.model, trainer.optimizer)
 
     def full(v):
-        return v.full_tensor().clone() if hasattr(v, "full_tensor") else (v.clone() if torch.is_tensor(v) else v)
+        return whole(v).clone() if torch.is_tensor(v) else v
 
     flat = {f"model.{k}": full(v) for k, v in model_sd.items()}
     for name, st in optim_sd["state"].items():

@@ -23,6 +23,7 @@ import pytest
 from helpers.launch import run_ranks
 from helpers.plan_accuracy import TOL, plan_config, real_worker
 from helpers.qlora import make_hf, nf4_reference, qlora_overrides
+from helpers.whole import whole
 
 pytest.importorskip("transformers")
 pytest.importorskip("torchao")
@@ -90,7 +91,7 @@ def worker(tmp: str, corpus: str, hf: str) -> dict:
     x = torch.randint(0, t.model_cfg.vocab_size, (2, 64), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         ours = t.model(x).float()
-    lora_sd = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p) for n, p in t.model.named_parameters()
+    lora_sd = {n: whole(p) for n, p in t.model.named_parameters()
                if "lora_" in n}
     ref = nf4_reference(t.cfg, t.model_cfg, hf, lora_sd)
     with torch.no_grad():

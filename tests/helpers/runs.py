@@ -10,16 +10,17 @@ from helpers.whole import whole_blocking
 
 def checksums(model) -> dict[str, float]:
     """Each parameter's whole sum (float64): equal sums, equal weights for these comparisons. Gathered with blocking
-    c10d collectives (`whole_blocking`: an NF4 weight dequantised per shard), not `full_tensor()`."""
+    c10d collectives (`whole_blocking`: an NF4 weight dequantised per shard), not `full_tensor()` (see
+    helpers/whole.py)."""
     return {n: whole_blocking(p).double().sum().item() for n, p in model.named_parameters()}
 
 
 def optim_checksum(trainer) -> float:
-    """The sum of |every optimizer state tensor|, whole (float64)."""
+    """The sum of |every optimizer state tensor|, whole (float64; an 8-bit moment dequantised)."""
     total = 0.0
     for state in trainer.optimizer.state.values():
         for v in state.values():
-            t = v.full_tensor() if hasattr(v, "full_tensor") else v
+            t = whole_blocking(v)
             total += t.double().abs().sum().item()
     return total
 

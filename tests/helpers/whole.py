@@ -1,35 +1,28 @@
 """Read a parameter (or its gradient, or optimizer state) whole or locally, whether FSDP manages it (a DTensor)
-or, on a mesh of one rank, leaves it a plain tensor (`shardlm.parallel.fsdp.single_copy_params`)."""
+or, on a mesh of one rank, leaves it a plain tensor (`shardlm.parallel.fsdp.single_copy_params`).
+
+Tests never read a DTensor whole through `full_tensor()`: on gloo its functional all-gathers aborted a rank
+natively (glibc heap checks: "malloc(): unaligned tcache chunk", "free(): invalid pointer", inside
+`wait_tensor` or `_maybe_unpad_tensor`) in about one full-suite run in three, in test_optim_state_fsdp (4
+sightings, plain bf16 moments included) and test_qlora_fsdp (NF4 weights), never when a module ran alone.
+`whole()` gathers with blocking c10d all_gathers instead (same bytes: pieces concatenated in shard order).
+shardlm itself never gathers a tensor whole (no `full_tensor()` in src/)."""
 
 from __future__ import annotations
 
 
 def whole(t):
-    """The whole tensor: `full_tensor()` of a DTensor (a collective, waited for), else `t` itself.
+    """The whole tensor, in its own dtype: a DTensor's shards gathered with blocking c10d collectives, else `t`.
+    A quantised subclass (an NF4 weight, torchao's 8-bit optimizer state) is refused: say how to read it
+    (`whole_blocking` dequantises; the 8-bit moments' codes and scales are plain tensors)."""
+    import torch
 
-    A tensor subclass's inner tensors are waited for here: torchao's `OptimState8bit` (8-bit optimizer state)
-    all-gathers its codes and scales as two functional collectives whose outputs torch (2.11+) wraps as
-    AsyncCollectiveTensors, and its slice/view ops keep them unwaited, so `full_tensor()` returns codes and
-    scales that gloo may still be writing, and the collectives stay in c10d's registry until the process ends
-    ("there are still N unwaited collective calls")."""
-    if not hasattr(t, "full_tensor"):
+    if not hasattr(t, "to_local"):
         return t
-    out = t.full_tensor()
-    return _waited(out)
-
-
-def _waited(t):
-    from torch.distributed._functional_collectives import AsyncCollectiveTensor
-
-    if isinstance(t, AsyncCollectiveTensor):
-        return t.wait()
-    if hasattr(t, "__tensor_flatten__"):
-        for name in t.__tensor_flatten__()[0]:
-            inner = getattr(t, name)
-            waited = _waited(inner)
-            if waited is not inner:
-                setattr(t, name, waited)
-    return t
+    if type(t.to_local()) is not torch.Tensor:
+        raise TypeError(f"whole() reads plain DTensors; this one holds a {type(t.to_local()).__name__}: "
+                        "use whole_blocking() (dequantised) or gather its inner tensors")
+    return whole_blocking(t)
 
 
 def local(t):
@@ -40,15 +33,14 @@ def local(t):
 def whole_blocking(t):
     """The whole tensor without DTensor's functional collectives: this rank's shard as a plain tensor (a quantised
     subclass, e.g. an NF4 weight, dequantised to fp32) concatenated over each mesh dim that shards it with
-    blocking c10d all_gathers (uneven pieces padded to the longest, then cut back). For the trainers' weight
-    checksums: `full_tensor()` of an NF4 weight aborted natively inside its functional all-gather's wait on gloo
-    in two full-suite runs (test_qlora_fsdp, 2026-12-07; the same crash class as test_optim_state_fsdp's note)."""
+    blocking c10d all_gathers (uneven pieces padded to the longest, then cut back)."""
     import torch
     import torch.distributed as dist
 
     if not hasattr(t, "to_local"):
         return t
-    x = t.to_local()
+    assert not any(pl.is_partial() for pl in t.placements), t.placements
+    x = t.to_local().detach()
     if type(x) is not torch.Tensor and hasattr(x, "__tensor_flatten__"):
         x = x.to(torch.float32)
     for d, pl in enumerate(t.placements):
