@@ -65,6 +65,18 @@ class PackedLoader(RowLoader):
         x = torch.from_numpy(np.stack([self.tokens[w * L : w * L + L + 1] for w in ids]).astype(np.int64))
         return x[:, :-1], x[:, 1:]
 
+    def local_rows(self, ids: list[int]) -> tuple[torch.Tensor, ...]:
+        """Under parallel.cp: only this rank's `seq_len / cp` tokens of each window are read (and the one after,
+        its last label); positions, for the whole row, come from the document offsets alone."""
+        if self.cp_size == 1:
+            return self.rows(ids)
+        if self.doc_starts is not None:
+            return document_rows(self.tokens, self.doc_starts, list(ids), self.seq_len, (self.cp_rank, self.cp_size))
+        L, t = self.seq_len, self.seq_len // self.cp_size
+        lo = self.cp_rank * t
+        x = torch.from_numpy(np.stack([self.tokens[w * L + lo : w * L + lo + t + 1] for w in ids]).astype(np.int64))
+        return x[:, :-1], x[:, 1:]
+
 
 class MixtureLoader(RowLoader):
     """Micro-batches drawn from several sources' windows in a `MixtureOrder` (per-sample interleave)."""
@@ -75,6 +87,15 @@ class MixtureLoader(RowLoader):
 
     def rows(self, ids: list[tuple[int, int]]) -> tuple[torch.Tensor, ...]:
         parts = [self.sources[s].rows([r]) for s, r in ids]
+        return tuple(torch.cat(col) for col in zip(*parts))
+
+    def set_context_parallel(self, rank: int, size: int) -> None:
+        super().set_context_parallel(rank, size)
+        for s in self.sources:
+            s.set_context_parallel(rank, size)
+
+    def local_rows(self, ids: list[tuple[int, int]]) -> tuple[torch.Tensor, ...]:
+        parts = [self.sources[s].local_rows([r]) for s, r in ids]
         return tuple(torch.cat(col) for col in zip(*parts))
 
     @property

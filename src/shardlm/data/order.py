@@ -215,6 +215,18 @@ def check_ids(inputs: torch.Tensor, labels: torch.Tensor, vocab_size: int, sourc
                         "prepare it again")
 
 
+def context_slice(batch: tuple[torch.Tensor, ...], rank: int, size: int) -> tuple[torch.Tensor, ...]:
+    """A micro-batch (inputs, labels[, positions]) as CP rank `rank` of `size` takes it: inputs and labels are
+    its contiguous `seq_len / size` tokens of each row (labels were shifted before the cut: the slice's last
+    label is the next slice's first input), positions stay whole rows (RoPE and the document mask of attention
+    span the whole sequence). size 1: the batch itself."""
+    if size == 1:
+        return batch
+    x, y, *rest = batch
+    t = x.shape[1] // size
+    return (x[:, rank * t : (rank + 1) * t], y[:, rank * t : (rank + 1) * t], *rest)
+
+
 class RowLoader:
     """What the trainer uses of a loader, over a `SampleOrder`; a loader implements `rows(ids)`.
 
@@ -225,6 +237,7 @@ class RowLoader:
 
     vocab_size: int = 0  # when set: every micro-batch's ids are checked against it (`check_ids`)
     source: str = "the token store"  # named in that check's error
+    cp_rank, cp_size = 0, 1  # parallel.cp: this rank's slice of every row (`set_context_parallel`)
 
     def __init__(self, order: SampleOrder):
         self.order = order
@@ -233,8 +246,17 @@ class RowLoader:
         """Rows `ids` as (inputs, labels), each (len(ids), seq_len) int64."""
         raise NotImplementedError
 
+    def set_context_parallel(self, rank: int, size: int) -> None:
+        """Read only slice `rank` of `size` of every row from now on (parallel.cp; see `local_rows`)."""
+        self.cp_rank, self.cp_size = rank, size
+
+    def local_rows(self, ids: list[int]) -> tuple[torch.Tensor, ...]:
+        """Rows `ids` as this rank of its CP group takes them: see `context_slice`. Loaders that can read only
+        the slice override this; the default cuts it out of whole rows (SFT records are tokenised whole)."""
+        return context_slice(self.rows(ids), self.cp_rank, self.cp_size)
+
     def next_step(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        batches = [self.rows(ids) for ids in self.order.rows_for_step()]
+        batches = [self.local_rows(ids) for ids in self.order.rows_for_step()]
         if self.vocab_size:
             for b in batches:
                 check_ids(b[0], b[1], self.vocab_size, self.source, self.samples_seen)

@@ -65,20 +65,27 @@ def mask_cross_document(labels: torch.Tensor | np.ndarray,
     return np.where(np.asarray(target_positions) == 0, IGNORE_INDEX, np.asarray(labels, dtype=np.int64))
 
 
-def document_rows(tokens: np.ndarray, doc_starts: np.ndarray, windows: list[int],
-                  seq_len: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def document_rows(tokens: np.ndarray, doc_starts: np.ndarray, windows: list[int], seq_len: int,
+                  cp: tuple[int, int] = (0, 1)) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Windows of `seq_len` + 1 tokens as (inputs, labels, positions), each (len(windows), seq_len) int64.
 
     Window w covers tokens[w*L : w*L + L + 1] (PackedLoader's windows): inputs are its first L tokens,
     labels its last L with cross-document targets IGNORE_INDEX, positions those of the inputs.
+
+    cp = (rank, size), parallel.cp: inputs and labels are slice `rank` of `size` (L / size tokens; only those
+    tokens and the one after are read), positions stay the whole row's (they need only `doc_starts`).
     """
     L = seq_len
+    rank, size = cp
+    t = L // size
+    lo = rank * t
     if not windows:
-        return tuple(torch.zeros(0, L, dtype=torch.int64) for _ in range(3))
+        return (torch.zeros(0, t, dtype=torch.int64), torch.zeros(0, t, dtype=torch.int64),
+                torch.zeros(0, L, dtype=torch.int64))
     if (max(windows) + 1) * L + 1 > len(tokens):
         raise ValueError(f"window {max(windows)} needs {(max(windows) + 1) * L + 1} tokens; the stream has "
                          f"{len(tokens)}")
-    x = np.stack([np.asarray(tokens[w * L : w * L + L + 1]) for w in windows]).astype(np.int64)
+    x = np.stack([np.asarray(tokens[w * L + lo : w * L + lo + t + 1]) for w in windows]).astype(np.int64)
     pos = np.stack([window_positions(doc_starts, w * L, w * L + L + 1) for w in windows])
-    labels = mask_cross_document(x[:, 1:], pos[:, 1:])
+    labels = mask_cross_document(x[:, 1:], pos[:, lo + 1 : lo + t + 1])
     return torch.from_numpy(x[:, :-1].copy()), torch.from_numpy(labels), torch.from_numpy(pos[:, :-1].copy())

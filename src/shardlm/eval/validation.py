@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from shardlm.config import DataSection, EvalSection
 from shardlm.data.loader import PackedLoader
-from shardlm.data.order import IGNORE_INDEX, SampleOrder, check_ids
+from shardlm.data.order import IGNORE_INDEX, SampleOrder, check_ids, context_slice
 from shardlm.data.sft import SFTLoader, SFTSamples
 from shardlm.errors import ConfigError, DataError
 
@@ -46,10 +46,12 @@ class Due:
 
 class Validator(Due):
     """The fixed validation set of `store` for this rank, and `evaluate(model)` over it (a collective).
-    `micro_batch_size`, `loss_chunk_tokens`: training's (eval.micro_batch_size = 0 takes its rows per forward)."""
+    `micro_batch_size`, `loss_chunk_tokens`: training's (eval.micro_batch_size = 0 takes its rows per forward);
+    `cp`: (this rank's index in its CP group, parallel.cp): the slice of each row it reads."""
 
     def __init__(self, data: DataSection, eval_cfg: EvalSection, store, tokenizer, dp_rank: int, dp_size: int,
-                 device: torch.device, *, micro_batch_size: int, loss_chunk_tokens: int):
+                 device: torch.device, *, micro_batch_size: int, loss_chunk_tokens: int,
+                 cp: tuple[int, int] = (0, 1)):
         d, e = data, eval_cfg
         self.eval_cfg = e
         self.device, self.dp_rank, self.dp_size, self.path = device, dp_rank, dp_size, store.path
@@ -71,6 +73,7 @@ class Validator(Due):
             starts = np.asarray(store.starts[:-1]) if d.document_mask else None
             self.rows_of = PackedLoader(store.tokens, L, 1, 1, 0, 1, doc_starts=starts, order=one)
             self.bytes = _utf8_bytes(tokenizer, store.tokens[1 : n_rows * L + 1])
+        self.rows_of.set_context_parallel(*cp)
         self.n_rows = n_rows
         self.mine = list(range(dp_rank, n_rows, dp_size))
         per_rank = -(-n_rows // dp_size)
@@ -87,9 +90,10 @@ class Validator(Due):
             if not ids:  # this rank ran out: a padding row keeps its FSDP collectives in step with the others
                 x = torch.full((1, self.seq_len), self.pad_id, dtype=torch.long)
                 y = torch.full((1, self.seq_len), IGNORE_INDEX, dtype=torch.long)
-                yield (x, y, torch.arange(self.seq_len).unsqueeze(0)) if self.positions else (x, y)
+                batch = (x, y, torch.arange(self.seq_len).unsqueeze(0)) if self.positions else (x, y)
+                yield context_slice(batch, self.rows_of.cp_rank, self.rows_of.cp_size)
                 continue
-            yield self.rows_of.rows(ids)
+            yield self.rows_of.local_rows(ids)
 
     @torch.no_grad()
     def evaluate(self, model: torch.nn.Module) -> dict[str, Any]:
@@ -118,8 +122,7 @@ class Validator(Due):
                 count += int((y != IGNORE_INDEX).sum())
         finally:
             model.train(was_training)
-        cp = getattr(model, "context_parallel", None)  # parallel.cp: each rank of the group saw these whole rows
-        return torch.tensor([nll.item(), float(count) / (cp.size if cp is not None else 1)], dtype=torch.float64)
+        return torch.tensor([nll.item(), float(count)], dtype=torch.float64)
 
 
 def _metrics(sums: list[float], n_bytes: int | None, t0: float) -> dict[str, Any]:
@@ -139,11 +142,12 @@ class MixtureValidation(Due):
     source's own val_loss is in the record as `val_loss/<name>`."""
 
     def __init__(self, data: DataSection, eval_cfg: EvalSection, stores: list, names: list[str], tokenizer,
-                 dp_rank: int, dp_size: int, device: torch.device, *, micro_batch_size: int, loss_chunk_tokens: int):
+                 dp_rank: int, dp_size: int, device: torch.device, *, micro_batch_size: int, loss_chunk_tokens: int,
+                 cp: tuple[int, int] = (0, 1)):
         share = eval_cfg.max_tokens // len(stores) if eval_cfg.max_tokens else 0
         each = dataclasses.replace(eval_cfg, max_tokens=share) if share else eval_cfg
         self.parts = [Validator(data, each, s, tokenizer, dp_rank, dp_size, device, micro_batch_size=micro_batch_size,
-                                loss_chunk_tokens=loss_chunk_tokens) for s in stores]
+                                loss_chunk_tokens=loss_chunk_tokens, cp=cp) for s in stores]
         self.eval_cfg = eval_cfg
         self.names = names
         self.n_rows = sum(v.n_rows for v in self.parts)
@@ -176,13 +180,13 @@ def needs_validation(data: DataSection, eval_cfg: EvalSection, val_store, val_so
 
 def build_validator(data: DataSection, eval_cfg: EvalSection, val_store, val_sources: list, tokenizer,
                     dp_rank: int, dp_size: int, device: torch.device, *, micro_batch_size: int,
-                    loss_chunk_tokens: int) -> Validator | MixtureValidation | None:
+                    loss_chunk_tokens: int, cp: tuple[int, int] = (0, 1)) -> Validator | MixtureValidation | None:
     """The run's validation: over `val_store`, or over each (name, store) of a mixture's `val_sources`; None
     when the run never evaluates (eval.interval=0 and eval.at_end=false) or has nothing to evaluate on.
-    `micro_batch_size`, `loss_chunk_tokens`: training's (`Validator`)."""
+    `micro_batch_size`, `loss_chunk_tokens`: training's; `cp`: this rank's slice of the rows (`Validator`)."""
     if not (eval_cfg.interval or eval_cfg.at_end):
         return None
-    train = dict(micro_batch_size=micro_batch_size, loss_chunk_tokens=loss_chunk_tokens)
+    train = dict(micro_batch_size=micro_batch_size, loss_chunk_tokens=loss_chunk_tokens, cp=cp)
     if val_store is not None:
         return Validator(data, eval_cfg, val_store, tokenizer, dp_rank, dp_size, device, **train)
     if val_sources:

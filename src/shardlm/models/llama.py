@@ -545,6 +545,10 @@ class Transformer(nn.Module):
         labels: (B, T) int64 targets (IGNORE_INDEX: not a target): returns the fp32 cross-entropy summed over
         the targets (a scalar) instead of logits, computed `loss_chunk_tokens` tokens at a time (0: at once);
         see `loss`.
+
+        With `context_parallel` set (parallel.cp), `tokens` and `labels` are this rank's contiguous slice of
+        each row, (B, T / cp), as the loader reads them (`shardlm.data.order.context_slice`); `positions`,
+        when given, cover the whole row (B, T): RoPE and the attention mask span the whole sequence.
         """
         if labels is not None and (cache is not None or last_only):
             raise ValueError("labels (a training loss) go with neither a KV cache nor last_only")
@@ -553,7 +557,16 @@ class Transformer(nn.Module):
             if cache is not None or last_only:
                 raise ValueError("a context-parallel model trains and evaluates whole rows: no KV cache, no "
                                  "last_only (generate without parallel.cp)")
-            cp.check_length(tokens.shape[1])
+            if labels is not None and labels.shape != tokens.shape:
+                raise ValueError(f"labels {tuple(labels.shape)} must be the shape of this rank's tokens "
+                                 f"{tuple(tokens.shape)}")
+            row = tokens.shape[1] * cp.size  # the whole row this slice belongs to
+            if positions is not None and tuple(positions.shape) != (tokens.shape[0], row):
+                raise ValueError(f"with context parallelism tokens are this rank's slice {tuple(tokens.shape)} of "
+                                 f"rows of {row}, and positions cover whole rows: got {tuple(positions.shape)}")
+            cp.check_length(row)
+        else:
+            row = tokens.shape[1]
         if cache is not None:
             if positions is not None:
                 raise ValueError("positions come from the KV cache (its length and padding); pass one or the other")
@@ -566,10 +579,10 @@ class Transformer(nn.Module):
             cos, sin = self.rope.at(cache.positions(t, tokens.device))
             mask = cache.attention_mask(t, tokens.device)
         elif positions is None:
-            cos, sin = self.rope(tokens.shape[1])
+            cos, sin = self.rope(row)
             mask = None
         else:
-            if positions.shape != tokens.shape:
+            if cp is None and positions.shape != tokens.shape:
                 raise ValueError(f"positions {tuple(positions.shape)} must have the shape of tokens "
                                  f"{tuple(tokens.shape)}")
             cos, sin = self.rope.at(positions)
@@ -577,9 +590,6 @@ class Transformer(nn.Module):
             if backend == "auto":
                 backend = document_attention_backend(tokens.device)[0]
             mask = document_mask(positions, backend)
-        if cp is not None:  # RoPE tables and the mask cover the whole row; tokens and targets: this rank's slice
-            tokens = cp.local(tokens)
-            labels = cp.local(labels) if labels is not None else None
         h = self.embed_tokens(tokens)
         for i, layer in enumerate(self.layers):
             if cache is not None:

@@ -1,9 +1,10 @@
 """Context parallelism (parallel.cp): one sequence's tokens split over `cp` ranks, attention by all-to-all over
 heads (DeepSpeed-Ulysses).
 
-Every rank of a CP group gets the same rows; the model (`Transformer.forward`) keeps its contiguous `T / cp`
-tokens of each row, so the embeddings, MLPs, norms, the output head and the loss run on a slice and their
-activations shrink by `cp`. Attention needs the whole sequence: before it, one all-to-all turns
+Every rank of a CP group is dealt the same rows and reads only its contiguous `T / cp` tokens of each (and
+their labels: `shardlm.data.order.context_slice`; a token store's windows are read slice by slice, positions
+for document masks come from the document offsets alone), so the embeddings, MLPs, norms, the output head
+and the loss run on a slice and their activations shrink by `cp`. Attention needs the whole sequence: before it, one all-to-all turns
 (B, T / cp, H, D) queries, keys and values into (B, T, H / cp, D) -- every token of the sequence for a
 share of the heads -- so any kernel (flash/cuDNN SDPA, flex with a document mask, the CPU one) runs
 unchanged on whole sequences with their global RoPE positions and masks; a second all-to-all brings the
@@ -41,11 +42,6 @@ class Ulysses:
 
     def check_length(self, t: int) -> None:
         check_length(self.size, t)
-
-    def local(self, x: torch.Tensor) -> torch.Tensor:
-        """This rank's contiguous slice of a (B, T, ...) tensor along T."""
-        t = x.shape[1] // self.size
-        return x.narrow(1, self.rank * t, t)
 
     def _exchange(self, x: torch.Tensor) -> torch.Tensor:
         """all-to-all of dim 0's `size` chunks (chunk j to rank j; chunk j back from rank j), with autograd."""

@@ -197,6 +197,12 @@ def device_memory_bytes(device_type: str, local_rank: int, ranks_per_node: int) 
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // max(ranks_per_node, 1)
 
 
+def cp_slot(mesh: DeviceMesh) -> tuple[int, int]:
+    """(this rank's index in its CP group, parallel.cp): which contiguous slice of every row it reads."""
+    names = mesh.mesh_dim_names or ()
+    return (mesh.get_local_rank("cp"), mesh.size(names.index("cp"))) if "cp" in names else (0, 1)
+
+
 def dp_rank(mesh: DeviceMesh) -> int:
     """This rank's index among the data-parallel ranks (row-major over the mesh's dp dimensions; the ranks of
     one CP group share it: they read the same rows)."""

@@ -170,7 +170,7 @@ def training_step(model, optimizer, pairs, batches, dims: ParallelDims, cfg: Con
     `forward_backward` (gradient sync per train.grad_sync), the trainer's grad-norm clip, the
     optimizer step, `zero_grad(set_to_none=True)`. The tracker labels each phase.
     """
-    n_tokens = sum(b[1].numel() for b in batches) * dims.dp
+    n_tokens = sum(b[1].numel() for b in batches) * dims.dp * dims.cp  # parallel.cp: labels are a slice
 
     def label(k: int) -> None:
         tracker.phase = f"mb{k}"
@@ -191,11 +191,12 @@ def training_step(model, optimizer, pairs, batches, dims: ParallelDims, cfg: Con
 
 def micro_batches(cfg: Config, n: int, device: torch.device) -> list[tuple[torch.Tensor, ...]]:
     """`n` micro-batches as the trainer's loader makes them: (inputs, labels), and positions with
-    data.document_mask (values do not matter to memory; under FakeTensorMode there are none)."""
+    data.document_mask (values do not matter to memory; under FakeTensorMode there are none). Under
+    parallel.cp inputs and labels are a rank's slice of the rows, positions whole rows (`context_slice`)."""
     b, t = cfg.train.micro_batch_size, cfg.data.seq_len
     out = []
     for _ in range(n):
-        x, y = (torch.zeros(b, t, dtype=torch.long, device=device) for _ in range(2))
+        x, y = (torch.zeros(b, t // cfg.parallel.cp, dtype=torch.long, device=device) for _ in range(2))
         out.append((x, y, attention.positions(b, t, device)) if cfg.data.document_mask else (x, y))
     return out
 

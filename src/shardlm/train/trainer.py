@@ -34,7 +34,7 @@ from shardlm.observe.metrics import MetricsLogger, Throughput, peak_flops, read_
 from shardlm.observe.profiler import PhaseTimer, StepProfiler
 from shardlm.observe.report import Report, data_note, experts_note, fastpath_note, mesh_note, precision_note, trainable_note
 from shardlm.observe.wandb_log import run_wandb
-from shardlm.parallel.dims import dp_rank
+from shardlm.parallel.dims import cp_slot, dp_rank
 from shardlm.parallel.fsdp import DTYPES, clip_grad_norm_, settle_auto_reshard
 from shardlm.quant.fp8 import precompute_fp8_scales
 from shardlm.resolve import checkpoint_dir, resolve
@@ -157,7 +157,8 @@ class Trainer:
         self.watchdog.enter("setup: eval")
         self.validator = build_validator(cfg.data, cfg.eval, self.val_store, self.val_sources, self.tokenizer,
                                          dp_rank(self.mesh), self.dims.dp, self.env.device,
-                                         micro_batch_size=t.micro_batch_size, loss_chunk_tokens=t.loss_chunk_tokens)
+                                         micro_batch_size=t.micro_batch_size, loss_chunk_tokens=t.loss_chunk_tokens,
+                                         cp=cp_slot(self.mesh))
         # the best val_loss of the run so far (a resume carries the one logged before it)
         self.best_val = best_logged(self.output_dir / "metrics.jsonl", self.step) \
             if self.resumed_from is not None and self.is_rank0 else None
@@ -224,6 +225,7 @@ class Trainer:
                                     log=self.log, stores=self.stores)
         # every micro-batch's ids against the model's vocabulary: damaged store bytes stop with one line
         loader.vocab_size = self.model_cfg.vocab_size
+        loader.set_context_parallel(*cp_slot(self.mesh))  # parallel.cp: this rank reads its slice of each row
         loader.source = ", ".join(str(s.path) for s in self.stores)
         return loader, meta
 
@@ -241,8 +243,8 @@ class Trainer:
         # mean busy time per step in its own slot (a sum of one-hot vectors = a gather, no extra collective).
         ctrl_c = stop_requested and self.preemption.interrupted
         slots = self.busy.slots(self.env.rank, self.env.world_size) if self.logs_next_step() else []
-        # a batch: (x, y) or (x, y, positions), whole rows: the ranks of a CP group count the same targets
-        targets = sum(int((b[1] != IGNORE_INDEX).sum()) for b in batches) / self.dims.cp
+        # a batch: (x, y) or (x, y, positions); under parallel.cp each rank's labels are its slice of the rows
+        targets = sum(int((b[1] != IGNORE_INDEX).sum()) for b in batches)
         counts = torch.tensor([float(targets), float(stop_requested), float(ctrl_c), *slots])
         wd.enter("token-count all-reduce")
         self.busy.arrive()
