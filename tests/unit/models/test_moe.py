@@ -227,3 +227,19 @@ def test_router_coefficients_override_an_hf_model_but_its_shape_does_not(family)
     assert load_hf_weights(model, per_expert) == []
     with pytest.raises(ConfigError, match="model.n_experts cannot change the shape"):
         build_model_config(load_config(None, [f"--model.init_from=hf:{per_expert}", "--model.n_experts=2"]), 0)
+
+
+def test_qlora_startup_line_says_the_experts_stay_unquantised():
+    """lora.base_dtype=nf4 quantises the attention linears only (NF4 of stacked experts is not built): the
+    startup line's trainable note says so, with the experts' dtype; a dense model's note does not."""
+    from shardlm.config import load_config
+    from shardlm.observe.report import trainable_note
+
+    cfg = load_config(None, ["--model.preset=debug_moe", "--lora.rank=4", "--lora.base_dtype=nf4"])
+    for preset, experts in (("debug_moe", True), ("debug", False)):
+        with torch.device("meta"):
+            model = Transformer(PRESETS[preset]).to(torch.bfloat16)
+        params = [p for n, p in model.named_parameters() if n.endswith("q_proj.weight")]
+        note = trainable_note(cfg, model, params, "nf4")
+        assert "LoRA r=4, base nf4" in note, note
+        assert ("stacked experts: bfloat16, NF4 of stacked experts is not implemented" in note) == experts, note
