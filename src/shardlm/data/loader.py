@@ -240,9 +240,13 @@ def data_stats(format: str, *, documents: int, samples: int, tokens: int, loss_t
 
 def build_loader(data: DataSection, tokenizer: Tokenizer, dp_rank: int, dp_size: int, *, micro_batch_size: int,
                  grad_accum: int, seed: int, log: Callable[[str], None] = print,
-                 stores: list[TokenStore] | None = None) -> tuple[RowLoader, dict]:
+                 stores: list[TokenStore] | None = None, vocab_size: int = 0,
+                 cp: tuple[int, int] = (0, 1)) -> tuple[RowLoader, dict]:
     """The loader `data.format` names, for this dp rank, and its stats (`data_stats`). `micro_batch_size`,
     `grad_accum`, `seed`: train's (rows per micro-batch, micro-batches per step, the order's seed).
+    `vocab_size` (the model's): every micro-batch's ids are checked against it, so damaged store bytes stop
+    with one line naming the stores; `cp`: (this rank's index in its CP group, parallel.cp), the slice of
+    every row it reads (`RowLoader.set_context_parallel`).
 
     text: the token store(s) (`stores`, default `open_stores`) as a PackedLoader, or a MixtureLoader over
     [[data.sources]]; sft: an SFTLoader over the SFT store (samples rendered with the tokenizer's folder's chat
@@ -250,6 +254,14 @@ def build_loader(data: DataSection, tokenizer: Tokenizer, dp_rank: int, dp_size:
     """
     d = data
     stores = open_stores(d, tokenizer, log) if stores is None else stores
+    loader, stats = _build(d, tokenizer, stores, dp_rank, dp_size, micro_batch_size, grad_accum, seed, log)
+    loader.vocab_size, loader.source = vocab_size, ", ".join(str(s.path) for s in stores)
+    loader.set_context_parallel(*cp)
+    return loader, stats
+
+
+def _build(d: DataSection, tokenizer: Tokenizer, stores: list[TokenStore], dp_rank: int, dp_size: int,
+           micro_batch_size: int, grad_accum: int, seed: int, log: Callable[[str], None]) -> tuple[RowLoader, dict]:
     if d.format == "sft":
         loader = SFTLoader(SFTSamples.from_store(stores[0]), d.seq_len, micro_batch_size, grad_accum, dp_rank,
                            dp_size, seed, d.shuffle, d.pack, pad_id=tokenizer.eos_id, document_mask=d.document_mask)

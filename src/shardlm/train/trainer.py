@@ -220,14 +220,9 @@ class Trainer:
 
     def build_data(self):
         t = self.cfg.train
-        loader, meta = build_loader(self.cfg.data, self.tokenizer, dp_rank(self.mesh), self.dims.dp,
-                                    micro_batch_size=t.micro_batch_size, grad_accum=t.grad_accum, seed=t.seed,
-                                    log=self.log, stores=self.stores)
-        # every micro-batch's ids against the model's vocabulary: damaged store bytes stop with one line
-        loader.vocab_size = self.model_cfg.vocab_size
-        loader.set_context_parallel(*cp_slot(self.mesh))  # parallel.cp: this rank reads its slice of each row
-        loader.source = ", ".join(str(s.path) for s in self.stores)
-        return loader, meta
+        return build_loader(self.cfg.data, self.tokenizer, dp_rank(self.mesh), self.dims.dp,
+                            micro_batch_size=t.micro_batch_size, grad_accum=t.grad_accum, seed=t.seed, log=self.log,
+                            stores=self.stores, vocab_size=self.model_cfg.vocab_size, cp=cp_slot(self.mesh))
 
     def train_step(self, batches: list[Batch], stop_requested: bool = False) -> StepResult:
         """One optimizer step over `grad_accum` micro-batches (see `forward_backward` for the loss).

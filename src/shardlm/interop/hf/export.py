@@ -386,6 +386,17 @@ def _lora_pairs(reader: CheckpointReader) -> tuple[list[str], dict[str, dict[str
 
 # -- exports ---------------------------------------------------------------------------------------
 @torch.no_grad()
+def _plan_files(expected: dict[str, tuple[int, ...]], sources: dict, out_dtype: torch.dtype,
+                max_shard_bytes: int) -> list[list[str]]:
+    """Our tensor names per output file (`plan_shards`, in natural name order); a fused gate_up_proj is written
+    whole, so its up half is planned with its gate half."""
+    sizes = {n: math.prod(expected[n]) * out_dtype.itemsize for n in sorted(expected, key=natural_key)}
+    for n, src in sources.items():
+        if src.dim1 is not None and n.endswith("experts.up_proj"):
+            sizes[n.replace("experts.up_proj", "experts.gate_proj")] += sizes.pop(n)
+    return plan_shards(sizes, max_shard_bytes)
+
+
 def export_hf(
     checkpoint_dir: str | os.PathLike,
     out_dir: str | os.PathLike,
@@ -435,10 +446,7 @@ def export_hf(
         raise ConfigError(f"{ck} holds LoRA adapters ({next(iter(pairs)).removesuffix('.weight')}.lora_A, ...): "
                           "an HF export needs --merge-lora (fold them into the base weights) or --adapter-only "
                           "(a peft adapter)")
-    scaling = 0.0
-    if pairs:
-        lo = lora or meta.require_lora(ck)
-        scaling = lo.scaling
+    scaling = (lora or meta.require_lora(ck)).scaling if pairs else 0.0
     expected = expected_shapes(cfg)
     try:  # our own checkpoints never duplicate the tied head: tied=False keeps a stray one an error
         validate({n: reader.tensors[n].shape for n in base}, expected, tied=False)
@@ -453,11 +461,7 @@ def export_hf(
     except ValueError as e:
         raise ConfigError(f"{ck}: {e}") from None
     sources = hf_sources(cfg, hf_cfg["model_type"], fused=expert_layout == "fused")
-    sizes = {n: math.prod(expected[n]) * out_dtype.itemsize for n in sorted(expected, key=natural_key)}
-    for n, src in sources.items():  # a fused gate_up_proj is written whole: its up half goes with the gate half
-        if src.dim1 is not None and n.endswith("experts.up_proj"):
-            sizes[n.replace("experts.up_proj", "experts.gate_proj")] += sizes.pop(n)
-    shards = plan_shards(sizes, max_shard_bytes)
+    shards = _plan_files(expected, sources, out_dtype, max_shard_bytes)
     hf_cfg["torch_dtype"] = hf_cfg["dtype"] = {"bf16": "bfloat16", "fp32": "float32"}[dtype]
     hf_cfg.update(hf_config_overrides or {})
     tokenizer_files(tokenizer_dir)
