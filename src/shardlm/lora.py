@@ -200,7 +200,14 @@ def merge_lora(model: nn.Module) -> list[str]:
     The merged weights keep their requires_grad flags. Run it on an unsharded, materialised model.
     Returns the merged module names.
     """
-    experts = [f"{n}.{p}" for n, m in model.named_modules() if isinstance(m, Experts) for p in m.merged_lora()]
+    experts = []
+    for n, m in model.named_modules():
+        if isinstance(m, Experts) and m.lora_A is not None:  # W[e] += B[e] @ A[e] * scaling, every expert at once
+            for p in m.lora_A.keys():
+                w = getattr(m, p)
+                w.add_(lora_delta(m.lora_A[p], m.lora_B[p], m.lora_scaling).to(w.dtype))
+                experts.append(f"{n}.{p}")
+            m.drop_lora()
     merged = [(n, m) for n, m in model.named_modules() if isinstance(m, LoRALinear)]
     for name, m in merged:
         delta = lora_delta(m.lora_A.weight, m.lora_B.weight, m.scaling)

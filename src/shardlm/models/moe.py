@@ -104,20 +104,10 @@ class Experts(nn.Module):
         self.lora_scaling = alpha / r
         self.lora_dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
 
-    def merged_lora(self) -> list[str]:
-        """Fold the adapters into the weights (W[e] += B[e] @ A[e] * scaling, in fp32) and drop them; the merged
-        projections' names. On a materialised, unsharded module."""
-        if self.lora_A is None:
-            return []
-        done = []
-        with torch.no_grad():
-            for p in list(self.lora_A.keys()):
-                w = getattr(self, p)
-                w.add_((self.lora_B[p].float() @ self.lora_A[p].float() * self.lora_scaling).to(w.dtype))
-                done.append(p)
+    def drop_lora(self) -> None:
+        """Forget the adapters (after `shardlm.lora.merge_lora` folded them into the weights)."""
         self.lora_A = self.lora_B = None
         self.lora_dropout = nn.Identity()
-        return done
 
     def _proj(self, x: torch.Tensor, which: str, sizes: list[int] | None, offsets: torch.Tensor | None) -> torch.Tensor:
         y = grouped_linear(x, getattr(self, which), sizes, offsets)

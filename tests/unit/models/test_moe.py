@@ -243,3 +243,26 @@ def test_qlora_startup_line_says_the_experts_stay_unquantised():
         note = trainable_note(cfg, model, params, "nf4")
         assert "LoRA r=4, base nf4" in note, note
         assert ("stacked experts: bfloat16, NF4 of stacked experts is not implemented" in note) == experts, note
+
+
+def test_merging_lora_of_experts_keeps_the_logits(family):
+    """`merge_lora` folds the stacked experts' adapters (W[e] += B[e] @ A[e] * alpha/r, the one `lora_delta`) as
+    it folds the linears': the same logits, no adapter left, every adapted expert projection named."""
+    from shardlm.lora import DEFAULT_TARGETS, apply_lora, is_lora_param, merge_lora
+
+    name, _, per_expert, _ = family
+    model = _load(per_expert)
+    apply_lora(model, 4, 8.0, 0.0, DEFAULT_TARGETS)
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_" in n:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+        before = model(TOKENS)
+        k, experts = next((k, layer.mlp.experts) for k, layer in enumerate(model.layers) if hasattr(layer.mlp, "experts"))
+        base = experts.gate_proj.clone()
+        merged = merge_lora(model)
+        after = model(TOKENS)
+    assert f"layers.{k}.mlp.experts.down_proj" in merged and not any(is_lora_param(n) for n, _ in model.named_parameters())
+    assert not torch.equal(experts.gate_proj, base)  # the adapters really were non-zero
+    assert (after - before).abs().max().item() <= 1e-5 * before.abs().max().item()
