@@ -84,3 +84,14 @@ EXIT_CODES = {0: "success (`shardlm plan`: the config fits)", 1: "other shardlm 
               PreflightError.exit_code: "parallel.preflight=strict: a rank is more than 20% slower than the median",
               StorageError.exit_code: "a disk is full or over quota, or a file hit the size limit (ulimit -f)",
               Interrupted.exit_code: "interrupted (Ctrl-C)"}
+
+
+def say(line: str, stream=None) -> None:
+    """Write `line` and its newline to `stream` (default: stderr) in one write, then flush. Ranks share a terminal
+    or a log file, and with PYTHONUNBUFFERED=1 `print()` writes the text and the newline separately: two ranks'
+    lines then splice into one (seen: two ranks' "its launcher is gone" lines on one line of a torchrun log)."""
+    import sys
+
+    stream = sys.stderr if stream is None else stream
+    stream.write(line + "\n")
+    stream.flush()

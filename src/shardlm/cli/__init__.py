@@ -23,7 +23,7 @@ from shardlm import __version__
 from shardlm.cli import bench, convert, debug_assets, env, generate, plan, plot, prepare, presets, train
 from shardlm.cli import eval as eval_
 from shardlm.disk import DISK_ERRNOS, from_oserror
-from shardlm.errors import EXIT_CODES, ConfigError, Interrupted, ShardlmError
+from shardlm.errors import EXIT_CODES, ConfigError, Interrupted, ShardlmError, say
 
 # name -> (module, one-line help), in the order `shardlm --help` lists them
 COMMANDS = {
@@ -99,7 +99,7 @@ def _report(line: str, launcher_prints: bool = True) -> None:
     `shardlm train --nproc-per-node` the launcher prints it (`launcher_prints`), from that file."""
     error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if _rank0() and not (launcher_prints and error_file and os.environ.get("SHARDLM_LAUNCHER")):
-        print(line, file=sys.stderr, flush=True)
+        say(line)
     if error_file:
         with open(error_file, "w") as f:
             json.dump({"message": line, "timestamp": int(time.time())}, f)

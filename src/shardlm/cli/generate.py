@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 from shardlm.config import load_config
-from shardlm.errors import ConfigError, Interrupted
+from shardlm.errors import ConfigError, Interrupted, say
 
 TAKES_OVERRIDES = True
 
@@ -127,11 +127,11 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
     inf = load_for_inference(hf=args.hf, checkpoint=args.checkpoint, cfg=cfg, tokenizer=args.tokenizer)
     try:
         if inf.is_rank0:
-            print(f"generate: {inf.describe()}", file=sys.stderr, flush=True)
+            say(f"generate: {inf.describe()}")
         ids = [inf.encode(p, chat=not args.no_chat_template) for p in prompts]
         warning = check_context(ids, args.max_new_tokens, inf.context, "--max-new-tokens")
         if warning and inf.is_rank0:
-            print(f"generate: warning: {warning}", file=sys.stderr, flush=True)
+            say(f"generate: warning: {warning}")
         streaming = inf.is_rank0 and len(prompts) == 1 and not args.jsonl
         start = time.perf_counter()
         done = decode(inf, ids, args, sampling, streaming)

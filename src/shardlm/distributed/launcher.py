@@ -22,7 +22,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Iterator
 
-from shardlm.errors import CommError, ConfigError, Interrupted
+from shardlm.errors import CommError, ConfigError, Interrupted, say
 
 LAUNCHED = "SHARDLM_LAUNCHER"  # set in the ranks' environment: "the launcher prints your error line"
 
@@ -188,7 +188,7 @@ def launch(opts: LaunchOptions, worker_argv: list[str]) -> int:
             lines = [f"shardlm: error: the ranks failed again after --max-restarts={opts.max_restarts} restarts (each "
                      "attempt's lines are above); the last complete checkpoint stands"]
         for line in lines:
-            print(line, file=sys.stderr, flush=True)
+            say(line)
         return code
     except SignalException as e:  # SIGTERM/SIGINT to the launcher: handed to the ranks, which saved and said so
         sig = getattr(e, "sigval", signal.SIGTERM)

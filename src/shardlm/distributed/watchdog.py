@@ -45,7 +45,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 
 from shardlm._torch_compat import dump_flight_recorder, set_pg_timeout
-from shardlm.errors import CommError
+from shardlm.errors import CommError, say
 
 TAIL = "the last complete checkpoint stands (resume with checkpoint.resume=auto)"
 # gloo raises plain RuntimeErrors (torch 2.13): "[.../gloo/transport/tcp/unbound_buffer.cc:78] Timed out
@@ -217,7 +217,7 @@ def exit_with(line: str) -> NoReturn:
     try:
         error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
         if not (error_file and os.environ.get("SHARDLM_LAUNCHER")):  # that launcher prints it from the file
-            print(line, file=sys.stderr, flush=True)
+            say(line)
         if error_file:
             with open(error_file, "w") as f:
                 json.dump({"message": line, "timestamp": int(time.time())}, f)
@@ -404,7 +404,7 @@ class Watchdog:
                          "stop or restart this rank with its peers: stopping it")
         self._stop.set()
         if os.environ.get("SHARDLM_LAUNCHER"):  # that launcher is the one gone: nobody else will print it
-            print(line, file=sys.stderr, flush=True)
+            say(line)
         self.on_failure(line)
         self._reported.set()
         raise CommError(line)

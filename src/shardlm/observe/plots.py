@@ -15,13 +15,12 @@ from __future__ import annotations
 import json
 import math
 import os
-import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from shardlm.errors import ConfigError
+from shardlm.errors import ConfigError, say
 from shardlm.extras import require
 from shardlm.fsutil import staged
 
@@ -203,7 +202,7 @@ def _lines(n: int) -> str:
 
 
 def _warn(line: str) -> None:
-    print(f"shardlm: warning: {line}", file=sys.stderr, flush=True)
+    say(f"shardlm: warning: {line}")
 
 
 def plot_runs(run_dirs: Sequence[str | os.PathLike], out: str | os.PathLike, x: str = "step",

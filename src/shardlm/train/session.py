@@ -13,7 +13,6 @@ resources (the checkpointer, the model, W&B) onto the same stack, so they go bef
 from __future__ import annotations
 
 import os
-import sys
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any, Callable
@@ -30,7 +29,7 @@ from shardlm.distributed.env import DistEnv, restart_store_warning, shutdown_dis
 from shardlm.distributed.nccl import apply_env
 from shardlm.distributed.preflight import preflight
 from shardlm.distributed.watchdog import Watchdog, heartbeat_store, install_test_stall, launcher_of
-from shardlm.errors import ConfigError, PreflightError, ShardlmError, StorageError
+from shardlm.errors import ConfigError, PreflightError, ShardlmError, StorageError, say
 from shardlm.parallel.launch import plan_launch
 from shardlm.resolve import Resolved
 from shardlm.train.preemption import Preemption
@@ -91,7 +90,7 @@ class Session:
                 self.log(line)
         for warning in [*[line for line in env_lines if ": warning: " in line], *warnings, restart_store_warning()]:
             if warning:
-                print(warning, file=sys.stderr, flush=True)
+                say(warning)
 
     def mesh(self):
         """The device mesh with the run's timeouts on its groups, the preflight, the folder locks."""

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import glob
 import os
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,7 +16,7 @@ from shardlm.data.sources.hf_datasets import HFDatasetReader
 from shardlm.data.sources.jsonl import JsonlReader
 from shardlm.data.sources.parquet import ParquetReader
 from shardlm.data.sources.text import TextReader
-from shardlm.errors import ConfigError
+from shardlm.errors import ConfigError, say
 
 READERS: tuple[Reader, ...] = (TextReader(), JsonlReader(), ParquetReader(), ArrowReader(), HFDatasetReader(),
                                BuiltinReader())
@@ -152,7 +151,7 @@ def iter_documents(files: list[Path], text_field: str, max_bad_fraction: float =
         else:
             bad.merge(got)
     if skipped:
-        print(skipped_line(skipped), file=sys.stderr, flush=True)
+        say(skipped_line(skipped))
     bad.check(max_bad_fraction)
     if line := bad.line():
-        print(f"shardlm: warning: {line}", file=sys.stderr, flush=True)
+        say(f"shardlm: warning: {line}")

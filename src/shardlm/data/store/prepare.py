@@ -36,7 +36,7 @@ from shardlm.data.store.format import (FORMAT, MANIFEST, VERSION, TokenStore, jo
                                        with_ext, write_manifest)
 from shardlm.data.tokenizer import Tokenizer, encode_texts, load_tokenizer
 from shardlm.disk import disk_error
-from shardlm.errors import ConfigError
+from shardlm.errors import ConfigError, say
 from shardlm.fsutil import FileLock, staged, swap_in
 from shardlm.data.chat import answer_info, load_template, record_key, tokenize_records, unit_messages
 
@@ -543,7 +543,7 @@ def _report(spec: PrepareSpec, store: TokenStore, out: Path, took: float, worker
         + (f"; validation: {held_out.documents:,} {docs}, {held_out.n_tokens:,} tokens" if held_out is not None
            else ""))
     if line := bad.line():
-        print(f"shardlm: warning: {line}", file=sys.stderr, flush=True)
+        say(f"shardlm: warning: {line}")
     if spec.val_fraction > 0 and held_out is not None and held_out.documents > store.documents:
         print(f"shardlm: warning: --val-fraction {spec.val_fraction:g} left {store.documents:,} {docs} for training "
               f"and put {held_out.documents:,} in validation; a validation split is usually 0.001-0.05",
