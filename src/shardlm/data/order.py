@@ -231,7 +231,7 @@ class RowLoader:
     """What the trainer uses of a loader, over a `SampleOrder`; a loader implements `rows(ids)`.
 
     `next_step()` -> `grad_accum` (inputs, labels) pairs of shape (micro_batch_size, seq_len) for
-    this rank; `state_dict()`/`load_state_dict()` (tensors: a `Stateful` for DCP), `samples_seen`,
+    this rank (seq_len / parallel.cp under context parallelism: `local_rows`); `state_dict()`/`load_state_dict()` (tensors: a `Stateful` for DCP), `samples_seen`,
     `global_batch`, `n_rows` (rows of seq_len in one epoch).
     """
 
