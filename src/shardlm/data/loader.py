@@ -59,21 +59,18 @@ class PackedLoader(RowLoader):
 
     def rows(self, ids: list[int]) -> tuple[torch.Tensor, ...]:
         """Window w is tokens[w*L : w*L + L + 1]: inputs its first L tokens, labels its last L."""
-        L = self.seq_len
-        if self.doc_starts is not None:
-            return document_rows(self.tokens, self.doc_starts, list(ids), L)
-        x = torch.from_numpy(np.stack([self.tokens[w * L : w * L + L + 1] for w in ids]).astype(np.int64))
-        return x[:, :-1], x[:, 1:]
+        return self._read(ids, (0, 1))
 
     def local_rows(self, ids: list[int]) -> tuple[torch.Tensor, ...]:
         """Under parallel.cp: only this rank's `seq_len / cp` tokens of each window are read (and the one after,
         its last label); positions, for the whole row, come from the document offsets alone."""
-        if self.cp_size == 1:
-            return self.rows(ids)
+        return self._read(ids, (self.cp_rank, self.cp_size))
+
+    def _read(self, ids: list[int], cp: tuple[int, int]) -> tuple[torch.Tensor, ...]:
         if self.doc_starts is not None:
-            return document_rows(self.tokens, self.doc_starts, list(ids), self.seq_len, (self.cp_rank, self.cp_size))
-        L, t = self.seq_len, self.seq_len // self.cp_size
-        lo = self.cp_rank * t
+            return document_rows(self.tokens, self.doc_starts, list(ids), self.seq_len, cp)
+        L, t = self.seq_len, self.seq_len // cp[1]
+        lo = cp[0] * t
         x = torch.from_numpy(np.stack([self.tokens[w * L + lo : w * L + lo + t + 1] for w in ids]).astype(np.int64))
         return x[:, :-1], x[:, 1:]
 

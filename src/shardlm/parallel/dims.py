@@ -199,8 +199,8 @@ def device_memory_bytes(device_type: str, local_rank: int, ranks_per_node: int) 
 
 def cp_slot(mesh: DeviceMesh) -> tuple[int, int]:
     """(this rank's index in its CP group, parallel.cp): which contiguous slice of every row it reads."""
-    names = mesh.mesh_dim_names or ()
-    return (mesh.get_local_rank("cp"), mesh.size(names.index("cp"))) if "cp" in names else (0, 1)
+    size = cp_size(mesh)
+    return (mesh.get_local_rank("cp"), size) if size > 1 else (0, 1)
 
 
 def dp_rank(mesh: DeviceMesh) -> int:
