@@ -22,7 +22,7 @@ from shardlm.config import Config
 from shardlm.errors import ConfigError
 from shardlm.interop.hf.config import read_hf_config
 from shardlm.interop.hf.load import load_hf_weights
-from shardlm.lora import apply_lora, cast_frozen, is_lora_param, lora_layers
+from shardlm.lora import apply_lora, cast_frozen, is_lora_param, nf4_targets
 from shardlm.models import ModelConfig, Transformer, get_preset
 from shardlm.parallel.ac import apply_ac
 from shardlm.parallel.compile import apply_compile
@@ -134,7 +134,7 @@ def meta_model(cfg: Config, mc: ModelConfig, device_type: str = "cuda") -> Trans
         except ValueError as e:
             raise ConfigError(f"lora.targets: {e}") from None
         if base_dtype(cfg, device_type) == "nf4":
-            apply_nf4(lora_layers(model))
+            apply_nf4(nf4_targets(model))
         cast_frozen(model, frozen_dtype(cfg, device_type), keep=is_nf4)
     return model
 
@@ -162,7 +162,7 @@ def build_model(cfg: Config, mc: ModelConfig, mesh: DeviceMesh | None, device: t
     model = meta_model(cfg, mc, device.type)
     shard_mesh = fsdp_mesh(mesh) if mesh is not None else None
     if shard_mesh is not None and base_dtype(cfg, device.type) == "nf4":
-        check_shapes(lora_layers(model), shard_mesh.size(shard_mesh.ndim - 1))  # the shard dimension (last in HSDP)
+        check_shapes(nf4_targets(model), shard_mesh.size(shard_mesh.ndim - 1))  # the shard dimension (last in HSDP)
     if (cp := cp_size(mesh) if mesh is not None else 1) > 1:
         check_cp(cp, mc.n_heads, cfg.data.seq_len)
         apply_context_parallel(model, mesh["cp"].get_group(), mesh["cp"].get_local_rank(), cp)

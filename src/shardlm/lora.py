@@ -111,11 +111,15 @@ class LoRALinear(nn.Linear):
         return f"{super().extra_repr()}, r={self.r}, alpha={self.alpha}"
 
 
-def lora_layers(model: nn.Module) -> Iterator[tuple[str, LoRALinear]]:
-    """(name, module) of every LoRA layer: the linears whose frozen base QLoRA stores as NF4."""
+def nf4_targets(model: nn.Module) -> Iterator[tuple[str, nn.Module, str]]:
+    """(parameter name, owning module, attribute) of every adapted base weight: the LoRA linears' `weight` and the
+    stacked experts' adapted projections, the frozen bases QLoRA stores as NF4."""
     for name, m in model.named_modules():
         if isinstance(m, LoRALinear):
-            yield name, m
+            yield f"{name}.weight", m, "weight"
+        elif isinstance(m, Experts) and m.lora_A is not None:
+            for p in m.lora_A.keys():
+                yield f"{name}.{p}", m, p
 
 
 def _set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:

@@ -54,7 +54,7 @@ def load_dcp_weights(model: nn.Module, path: Path, *, forms: Sequence[StoredForm
         raise CheckpointError(f"model.init_from=dcp:{path} lacks {len(missing)} weight(s) this model needs "
                               f"({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''}); pass a checkpoint "
                               "of the same model")
-    plain = [(form, {n: form.plain_like(model.get_parameter(n)) for n in sorted(form.names(model))})
+    plain = [(form, {n: form.plain_like(model, n) for n in sorted(form.names(model))})
              for form in forms]
     buffers = {n: b for _, bufs in plain for n, b in bufs.items()}
     rest = {k: v for k, v in wanted.items() if k not in buffers}

@@ -300,7 +300,7 @@ class Checkpointer:
             state = {"model": model_sd, "optim": optim_sd, **{k: _tensors(v) for k, v in self.states.items()}}
         if self._encoded:
             for form in self.forms:
-                state["model"] = form.to_stored(state["model"])
+                state["model"] = form.to_stored(state["model"], self.model)
         if self.cfg.async_ and not blocking:
             # async_save copies the state to host memory before returning: what lands on disk is
             # this step's state even though training goes on and changes the parameters.

@@ -30,8 +30,8 @@ class StoredForm(Protocol):
         """The model's parameters held in this form (saved as pieces, never loaded back by a resume)."""
         ...
 
-    def to_stored(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """A model state dict with each entry of this form replaced by the plain tensors it is saved as."""
+    def to_stored(self, state: dict[str, torch.Tensor], model: nn.Module) -> dict[str, torch.Tensor]:
+        """`model`'s state dict with each entry of this form replaced by the plain tensors it is saved as."""
         ...
 
     def group(self, keys: Iterable[str]) -> dict[str, Pieces]:
@@ -47,8 +47,9 @@ class StoredForm(Protocol):
         """The full tensor that whole `pieces` stand for (offline: the export reads it)."""
         ...
 
-    def plain_like(self, param: torch.Tensor) -> torch.Tensor:
-        """A plain tensor, sharded as `param`, that DCP reads the parameter's full weight into (an init load)."""
+    def plain_like(self, model: nn.Module, name: str) -> torch.Tensor:
+        """A plain tensor, sharded as `model`'s parameter `name`, that DCP reads its full weight into (an init
+        load)."""
         ...
 
     def fill(self, model: nn.Module, plain: dict[str, torch.Tensor]) -> None:

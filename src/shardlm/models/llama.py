@@ -652,7 +652,8 @@ class Transformer(nn.Module):
                 # A swapped-in module (LoRA) may say how its own parameters start.
                 spec = module.init_spec(pname) if hasattr(module, "init_spec") and module is not self else None
                 local, row0 = shard_view(p)
-                fill_param(local, row0, p.shape, spec or self.init_spec(name), seed, name)
+                shape = getattr(module, "logical_shapes", {}).get(pname, p.shape)  # stacked experts held flat (NF4)
+                fill_param(local, row0, shape, spec or self.init_spec(name), seed, name)
 
 
 def fill_param(

@@ -49,6 +49,29 @@ def grouped_linear(x: torch.Tensor, w: torch.Tensor, sizes: list[int] | None, of
     return torch.cat(parts) if parts else x.new_zeros(0, w.shape[1])
 
 
+def _dense(w: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A stacked weight held flat `(n_experts * out, in)`, quantised (an NF4Tensor: dequantised) or not, as
+    `shape` in `dtype`."""
+    full = w.get_original_weight() if hasattr(w, "get_original_weight") else w
+    return full.view(shape).to(dtype)
+
+
+class _FrozenStacked(torch.autograd.Function):
+    """`grouped_linear` against a frozen stacked weight held flat and quantised (QLoRA of the experts): dequantised
+    in the forward and again in the backward for the input's gradient, so autograd keeps the 4-bit tensor, not a
+    bf16 copy of every layer's experts until the backward (torchao's `linear_nf4` does the same for a linear)."""
+
+    @staticmethod
+    def forward(ctx, x, w, shape, sizes, offsets):  # noqa: D401
+        ctx.w, ctx.shape, ctx.sizes, ctx.offsets = w, shape, sizes, offsets
+        return grouped_linear(x, _dense(w, shape, x.dtype), sizes, offsets)
+
+    @staticmethod
+    def backward(ctx, grad):
+        w = _dense(ctx.w, ctx.shape, grad.dtype)
+        return grouped_linear(grad, w.transpose(1, 2), ctx.sizes, ctx.offsets), None, None, None, None
+
+
 def use_grouped_mm(x: torch.Tensor) -> bool:
     """Whether the grouped kernel runs for activations x (CUDA, bf16, a torch that has it)."""
     if not x.is_cuda or x.dtype != torch.bfloat16:
@@ -85,6 +108,9 @@ class Experts(nn.Module):
         self.gate_proj = nn.Parameter(torch.empty(n_experts, ffn_dim, dim))
         self.up_proj = nn.Parameter(torch.empty(n_experts, ffn_dim, dim))
         self.down_proj = nn.Parameter(torch.empty(n_experts, dim, ffn_dim))
+        # projections stored flat `(n_experts * out, in)` (a QLoRA base in NF4: `shardlm.quant.nf4.apply_nf4`) -> their
+        # (n_experts, out, in) shape, which the files, the init and the forward use
+        self.logical_shapes: dict[str, tuple[int, ...]] = {}
         self.lora_A: ExpertFactors | None = None
         self.lora_B: ExpertFactors | None = None
         self.lora_scaling = 0.0
@@ -110,7 +136,11 @@ class Experts(nn.Module):
         self.lora_dropout = nn.Identity()
 
     def _proj(self, x: torch.Tensor, which: str, sizes: list[int] | None, offsets: torch.Tensor | None) -> torch.Tensor:
-        y = grouped_linear(x, getattr(self, which), sizes, offsets)
+        w = getattr(self, which)
+        if which in self.logical_shapes:
+            y = _FrozenStacked.apply(x, w, self.logical_shapes[which], sizes, offsets)
+        else:
+            y = grouped_linear(x, w, sizes, offsets)
         if self.lora_A is not None and which in self.lora_A:
             h = grouped_linear(self.lora_dropout(x), self.lora_A[which], sizes, offsets)
             y = y + grouped_linear(h, self.lora_B[which], sizes, offsets) * self.lora_scaling

@@ -17,7 +17,7 @@ from shardlm._torch_compat import float8_linear_class
 from shardlm.config import Config, EvalSection
 from shardlm.data import MixtureLoader
 from shardlm.distributed.preflight import StepTimes
-from shardlm.models.moe import Experts
+from shardlm.models.moe import PROJECTIONS, Experts
 from shardlm.observe.metrics import MetricsLogger
 from shardlm.observe.wandb_log import WandbLogger
 
@@ -149,10 +149,11 @@ def trainable_note(cfg: Config, model: nn.Module, params: list, base_dtype: str)
     if trainable == total:
         return ""
     lora = f": LoRA r={cfg.lora.rank}, base {base_dtype}" if cfg.lora.rank else ""
-    if base_dtype == "nf4" and any(isinstance(m, Experts) for m in model.modules()):
-        # said, not hidden: QLoRA quantises the linears; the stacked expert weights keep the frozen dtype
-        dtype = next(m.gate_proj.dtype for m in model.modules() if isinstance(m, Experts))
-        lora += f" (stacked experts: {str(dtype).removeprefix('torch.')}, NF4 of stacked experts is not implemented)"
+    experts = next((m for m in model.modules() if isinstance(m, Experts)), None)
+    plain = [p for p in PROJECTIONS if experts is not None and p not in experts.logical_shapes]
+    if base_dtype == "nf4" and plain:  # said, not hidden: QLoRA quantises the adapted weights only
+        dtype = str(getattr(experts, plain[0]).dtype).removeprefix("torch.")
+        lora += f" (experts' {','.join(plain)}: {dtype}, not in lora.targets so not NF4)"
     return f" ({trainable / 1e6:.3f}M = {100 * trainable / total:.1f}% trainable{lora})"
 
 

@@ -31,6 +31,13 @@ arithmetic) -> fully_shard (splits them into per-rank NF4 shards) -> to_empty ->
 shards from the HF files / the init / a DCP checkpoint in bf16 and `assign_quantized` swaps in the
 quantised shard. The planner stops after to_empty and `assign_empty`s fake NF4 shards of the true sizes.
 
+Stacked experts (a mixture of experts' `(n_experts, out, in)` projections, LoRA-adapted): NF4Tensor is 2-D only,
+so each such projection is one NF4 parameter `(n_experts * out, in)` (row `e * out + o` is expert e's row o), and
+its owning module records the model's shape in `logical_shapes` (`model_shape`). Every expert's `out * in` is a
+multiple of GROUP and every shard holds whole experts (`check_shapes`), so no NF4 block or scaler block spans two
+experts or two ranks: NF4 per expert slice. Wherever names and shapes meet files (the HF load, the init, DCP
+pieces, the export) the 3-D shape is used; only the parameter itself is flat.
+
 The NF4 tensors are bf16-based (scales and dequantised weight in bf16) whatever the training precision:
 under fp32 the dequantised base is upcast for the matmul; the adapters train in the training precision.
 """
@@ -91,15 +98,20 @@ def empty_nf4(shape: tuple[int, int], device: torch.device | str = "meta", dtype
                        torch.empty(16, dtype=dtype, device=device))
 
 
-Targets = Iterable[tuple[str, nn.Module]]  # (name, module) whose `weight` is the frozen base that goes NF4
+# (parameter name, owning module, attribute): the frozen bases that go NF4 (`shardlm.lora.nf4_targets`)
+Targets = Iterable[tuple[str, nn.Module, str]]
 
 
 def check_shapes(targets: Targets, dp_shard: int) -> None:
-    """ConfigError naming the first target weight (the LoRA layers: `shardlm.lora.lora_layers`) that NF4 cannot
-    hold sharded over `dp_shard` ranks."""
-    for name, m in targets:
-        out_f, in_f = m.weight.shape
-        where = f"lora.base_dtype=nf4: {name}.weight ({out_f}x{in_f})"
+    """ConfigError naming the first target weight (`shardlm.lora.nf4_targets`) that NF4 cannot hold sharded over
+    `dp_shard` ranks."""
+    for name, m, attr in targets:
+        shape = model_shape(m, attr, getattr(m, attr))
+        if len(shape) == 3:
+            _check_stacked(name, shape, dp_shard)
+            continue
+        out_f, in_f = shape
+        where = f"lora.base_dtype=nf4: {name} ({out_f}x{in_f})"
         if (out_f * in_f) % GROUP:
             raise ConfigError(f"{where} has {out_f * in_f} weights, not a multiple of {GROUP} (NF4 blocks of "
                               f"{BLOCK_SIZE} x scaler blocks of {SCALER_BLOCK_SIZE}); drop it from lora.targets or "
@@ -112,6 +124,20 @@ def check_shapes(targets: Targets, dp_shard: int) -> None:
                               "use lora.base_dtype=bf16")
 
 
+def _check_stacked(name: str, shape: tuple[int, int, int], dp_shard: int) -> None:
+    n_experts, out_f, in_f = shape
+    where = f"lora.base_dtype=nf4: {name} ({n_experts} experts of {out_f}x{in_f})"
+    if (out_f * in_f) % GROUP:
+        raise ConfigError(f"{where}: an expert's {out_f * in_f} weights are not a multiple of {GROUP} (NF4 blocks of "
+                          f"{BLOCK_SIZE} x scaler blocks of {SCALER_BLOCK_SIZE}); drop {name.rpartition('.')[2]} from "
+                          "lora.targets or use lora.base_dtype=bf16")
+    if n_experts % dp_shard:
+        fits = ", ".join(str(d) for d in range(1, n_experts + 1) if n_experts % d == 0 and d <= 2 * dp_shard)
+        raise ConfigError(f"{where} does not split into {dp_shard} NF4 shards of whole experts; use a "
+                          f"parallel.dp_shard that divides {n_experts} ({fits}) with parallel.dp_replicate for the "
+                          "other GPUs, drop the expert projections from lora.targets, or use lora.base_dtype=bf16")
+
+
 def _fitting_degrees(out_f: int, in_f: int, near: int) -> str:
     ok = [d for d in range(1, 2 * near + 1) if out_f % d == 0 and (out_f // d * in_f) % GROUP == 0]
     return ", ".join(map(str, ok[-4:])) or "1"
@@ -119,19 +145,29 @@ def _fitting_degrees(out_f: int, in_f: int, near: int) -> str:
 
 @torch.no_grad()
 def apply_nf4(targets: Targets) -> list[str]:
-    """Swap each target's (meta) base weight (the LoRA layers: `shardlm.lora.lora_layers`) for a meta NF4
-    parameter; returns the parameter names.
+    """Swap each target's (meta) base weight (`shardlm.lora.nf4_targets`) for a meta NF4 parameter; returns the
+    parameter names. A stacked `(n_experts, out, in)` weight becomes `(n_experts * out, in)`, its model shape
+    recorded in the module's `logical_shapes`.
 
     Before fully_shard: FSDP2 recognises the NF4 all-gather extension on the parameter it shards.
     """
     torchao_nf4()
     names = []
-    for name, m in targets:
-        if not m.weight.is_meta:
+    for name, m, attr in targets:
+        w = getattr(m, attr)
+        if not w.is_meta:
             raise ValueError("apply_nf4 runs on the meta model (before fully_shard and materialisation)")
-        m.weight = nn.Parameter(empty_nf4(tuple(m.weight.shape)), requires_grad=False)
-        names.append(f"{name}.weight")
+        shape = tuple(w.shape)
+        if len(shape) == 3:
+            m.logical_shapes[attr] = shape
+        setattr(m, attr, nn.Parameter(empty_nf4((math.prod(shape[:-1]), shape[-1])), requires_grad=False))
+        names.append(name)
     return names
+
+
+def model_shape(module: nn.Module, pname: str, p: torch.Tensor) -> tuple[int, ...]:
+    """The shape the model gives parameter `pname` of `module` (3-D for stacked experts held flat in NF4)."""
+    return tuple(getattr(module, "logical_shapes", {}).get(pname, p.shape))
 
 
 def nf4_params(model: nn.Module) -> dict[str, tuple[nn.Module, str, torch.Tensor]]:
@@ -230,6 +266,17 @@ def local_shape(p: torch.Tensor) -> tuple[tuple[int, ...], int]:
     return shape, shard_group(p)[1] * shape[0]
 
 
+def local_region(module: nn.Module, pname: str, p: torch.Tensor) -> tuple[tuple[int, ...], int]:
+    """`local_shape` in the model's shape: (this rank's shard shape, its first index on dim 0); a stacked experts'
+    shard is whole experts (`check_shapes`)."""
+    shape, row0 = local_shape(p)
+    full = model_shape(module, pname, p)
+    if len(full) == 2:
+        return shape, row0
+    per = full[1]  # rows per expert
+    return (shape[0] // per, per, shape[1]), row0 // per
+
+
 def assign_empty(model: nn.Module, device: torch.device) -> None:
     """Uninitialised NF4 shards of the right sizes in every NF4 parameter (the planner's fake storage)."""
     for _, (m, pname, p) in nf4_params(model).items():
@@ -238,27 +285,30 @@ def assign_empty(model: nn.Module, device: torch.device) -> None:
 
 def quantize_into(model: nn.Module, fill, device: torch.device) -> None:
     """Quantise every NF4 parameter's shard from bf16 values: `fill(name, param, shape, row0)` returns this
-    rank's rows (a plain tensor). Parameters go in name order on every rank (each is one all-gather)."""
+    rank's rows (a plain tensor) in the model's shape (`local_region`: whole experts of a stacked weight).
+    Parameters go in name order on every rank (each is one all-gather)."""
     for name, (m, pname, p) in sorted(nf4_params(model).items()):
-        shape, row0 = local_shape(p)
+        shape, row0 = local_region(m, pname, p)
         plain = fill(name, p, shape, row0)
         group = shard_group(p)[0]
-        assign_quantized(m, pname, quantize_shard(plain.to(device), group))
+        assign_quantized(m, pname, quantize_shard(plain.reshape(-1, plain.shape[-1]).to(device), group))
         del plain
 
 
 # -- checkpoints -------------------------------------------------------------------------------------
 # An NF4 weight `X` is saved as `X.nf4.data` (packed indices, uint8), `X.nf4.scalers` (int8),
 # `X.nf4.factors` (bf16): 1-D and sharded like the weight's rows (each rank's piece is its shard's), so
-# their concatenation is `to_nf4` of the whole weight; `X.nf4.mean` and `X.nf4.shape` (2 int64) are
-# the same on every rank. Plain tensors: DCP writes them as tensors (an NF4Tensor would be pickled).
+# their concatenation is `to_nf4` of the whole weight; `X.nf4.mean` and `X.nf4.shape` (the model's shape:
+# 2 int64, 3 for stacked experts) are the same on every rank. Plain tensors: DCP writes them as tensors (an NF4Tensor would be pickled).
 PIECES = {"data": "quantized_data", "scalers": "quantized_scalers", "factors": "quantization_factor"}
 ALL_PIECES = frozenset([*PIECES, "mean", "shape"])
 NF4_KEY = ".nf4."
 
 
-def nf4_pieces(state: dict) -> dict:
-    """`state` (a model state dict) with each NF4 entry replaced by its plain pieces (see above)."""
+def nf4_pieces(state: dict, shapes: dict[str, tuple[int, ...]] | None = None) -> dict:
+    """`state` (a model state dict) with each NF4 entry replaced by its plain pieces (see above); `shapes`: the
+    model's shape of the entries that differ from the tensor's (`model_shape`)."""
+    shapes = shapes or {}
     out = {}
     for k, v in state.items():
         if not is_nf4(v):
@@ -272,27 +322,31 @@ def nf4_pieces(state: dict) -> dict:
                 t = DTensor.from_local(t, v.device_mesh, v.placements, run_check=False, shape=(n,), stride=(1,))
             out[f"{k}{NF4_KEY}{piece}"] = t
         out[f"{k}{NF4_KEY}mean"] = loc.scaler_mean.detach().clone()
-        out[f"{k}{NF4_KEY}shape"] = torch.tensor(list(v.shape), dtype=torch.int64)
+        out[f"{k}{NF4_KEY}shape"] = torch.tensor(list(shapes.get(k, v.shape)), dtype=torch.int64)
     return out
 
 
 def from_pieces(pieces: dict[str, torch.Tensor]) -> torch.Tensor:
-    """The bf16 weight that whole pieces {"data", "scalers", "factors", "mean", "shape"} stand for."""
+    """The bf16 weight, in the model's shape, that whole pieces {"data", "scalers", "factors", "mean", "shape"}
+    stand for."""
     m = torchao_nf4()
     shape = torch.Size(int(n) for n in pieces["shape"].tolist())
     numel = math.prod(shape)
-    meta = m.SubclassTensorArgs(shape, (shape[1], 1), 0, NF4_DTYPE, pieces["data"].device, False)
+    flat = (numel // shape[-1], shape[-1])  # what the NF4 tensor held (stacked experts: flattened)
+    meta = m.SubclassTensorArgs(torch.Size(flat), (flat[1], 1), 0, NF4_DTYPE, pieces["data"].device, False)
     t = m.NF4Tensor(meta, BLOCK_SIZE, numel // BLOCK_SIZE, SCALER_BLOCK_SIZE, pieces["scalers"], pieces["factors"],
                     pieces["mean"].to(NF4_DTYPE), pieces["data"], _levels(pieces["data"].device))
-    return t.get_original_weight()
+    return t.get_original_weight().view(shape)
 
 
-def _bf16_like(p: torch.Tensor) -> torch.Tensor:
-    """A bf16 tensor sharded as `p` (a DTensor) or shaped as it, for DCP to read into."""
-    local = torch.empty(local_shape(p)[0], dtype=NF4_DTYPE, device=p.device)
+def _bf16_like(m: nn.Module, pname: str, p: torch.Tensor) -> torch.Tensor:
+    """A bf16 tensor in the model's shape, this rank holding the rows of `p`'s shard, for DCP to read into."""
+    local = torch.empty(local_region(m, pname, p)[0], dtype=NF4_DTYPE, device=p.device)
     if not isinstance(p, DTensor):
         return local
-    return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
+    shape = model_shape(m, pname, p)  # whole experts per shard: Shard(0) of the 3-D shape holds the same rows
+    return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False, shape=torch.Size(shape),
+                              stride=torch.empty(shape, device="meta").stride())
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -309,8 +363,8 @@ class NF4Form:
     def names(self, model: nn.Module) -> set[str]:
         return set(nf4_params(model))
 
-    def to_stored(self, state: dict) -> dict:
-        return nf4_pieces(state)
+    def to_stored(self, state: dict, model: nn.Module) -> dict:
+        return nf4_pieces(state, {n: model_shape(m, pname, p) for n, (m, pname, p) in nf4_params(model).items()})
 
     def group(self, keys: Iterable[str]) -> dict[str, dict[str, str]]:
         out: dict[str, dict[str, str]] = {}
@@ -329,8 +383,8 @@ class NF4Form:
     def assemble(self, pieces: dict[str, torch.Tensor]) -> torch.Tensor:
         return from_pieces(pieces)
 
-    def plain_like(self, param: torch.Tensor) -> torch.Tensor:
-        return _bf16_like(param)
+    def plain_like(self, model: nn.Module, name: str) -> torch.Tensor:
+        return _bf16_like(*nf4_params(model)[name])
 
     def fill(self, model: nn.Module, plain: dict[str, torch.Tensor]) -> None:
         """Quantise every NF4 parameter of `model` from `plain` (which holds each)."""

@@ -45,7 +45,7 @@ def test_nf4_form_is_a_stored_form_and_keeps_the_key_names():
     form: StoredForm = NF4_FORM
     model = _Model()
     assert stored_names(model, [form]) == {"lin.weight"} and stored_names(None, [form]) == set()
-    stored = form.to_stored(model.state_dict())
+    stored = form.to_stored(model.state_dict(), model)
     assert sorted(stored) == ["bias", *(f"lin.weight.nf4.{p}" for p in ("data", "factors", "mean", "scalers",
                                                                         "shape"))]
     assert form.group(stored) == {"lin.weight": {p: f"lin.weight.nf4.{p}" for p in
@@ -56,7 +56,7 @@ def test_reader_reassembles_an_nf4_weight_and_names_incomplete_pieces(tmp_path):
     from shardlm.quant.nf4 import NF4_FORM
 
     model = _Model()
-    stored = NF4_FORM.to_stored(model.state_dict())
+    stored = NF4_FORM.to_stored(model.state_dict(), model)
     _save(tmp_path / "ck", stored)
     reader = CheckpointReader(tmp_path / "ck", [NF4_FORM])
     assert set(reader.tensors) == {"bias", "lin.weight"} and set(reader.encoded) == {"lin.weight"}
@@ -76,7 +76,7 @@ def test_nf4_form_fills_from_the_plain_weight():
     from shardlm.quant.nf4 import NF4_FORM, quantize_shard
 
     model, w = _Model(), torch.randn(64, 256, generator=torch.Generator().manual_seed(5))
-    buf = NF4_FORM.plain_like(model.lin.weight)
+    buf = NF4_FORM.plain_like(model, "lin.weight")
     assert (buf.shape, buf.dtype) == ((64, 256), torch.bfloat16)
     buf.copy_(w)
     NF4_FORM.fill(model, {"lin.weight": buf})

@@ -229,20 +229,28 @@ def test_router_coefficients_override_an_hf_model_but_its_shape_does_not(family)
         build_model_config(load_config(None, [f"--model.init_from=hf:{per_expert}", "--model.n_experts=2"]), 0)
 
 
-def test_qlora_startup_line_says_the_experts_stay_unquantised():
-    """lora.base_dtype=nf4 quantises the attention linears only (NF4 of stacked experts is not built): the
-    startup line's trainable note says so, with the experts' dtype; a dense model's note does not."""
+def test_qlora_startup_line_names_the_experts_left_unquantised():
+    """lora.base_dtype=nf4 quantises the adapted weights only: experts' projections outside lora.targets keep the
+    frozen dtype, and the startup line's trainable note names them; with every projection adapted (or a dense
+    model) it says nothing of experts."""
+    pytest.importorskip("torchao")
+    from shardlm.build import build_model_config, meta_model
     from shardlm.config import load_config
     from shardlm.observe.report import trainable_note
 
-    cfg = load_config(None, ["--model.preset=debug_moe", "--lora.rank=4", "--lora.base_dtype=nf4"])
-    for preset, experts in (("debug_moe", True), ("debug", False)):
-        with torch.device("meta"):
-            model = Transformer(PRESETS[preset]).to(torch.bfloat16)
-        params = [p for n, p in model.named_parameters() if n.endswith("q_proj.weight")]
-        note = trainable_note(cfg, model, params, "nf4")
-        assert "LoRA r=4, base nf4" in note, note
-        assert ("stacked experts: bfloat16, NF4 of stacked experts is not implemented" in note) == experts, note
+    def note(preset, targets):
+        cfg = load_config(None, [f"--model.preset={preset}", "--lora.rank=4", "--lora.base_dtype=nf4",
+                                 f"--lora.targets={targets}", *(["--model.moe_ffn_dim=128"] * (preset != "debug"))])
+        model = meta_model(cfg, build_model_config(cfg, 0))
+        return trainable_note(cfg, model, [p for p in model.parameters() if p.requires_grad], "nf4")
+
+    got = note("debug_moe", "q_proj,v_proj")
+    assert "LoRA r=4, base nf4 (experts' gate_proj,up_proj,down_proj: bfloat16, not in lora.targets" in got, got
+    got = note("debug_moe", "q_proj,up_proj")
+    assert "(experts' gate_proj,down_proj: bfloat16, not in lora.targets so not NF4)" in got, got
+    for preset, targets in (("debug_moe", "q_proj,gate_proj,up_proj,down_proj"), ("debug", "q_proj,v_proj")):
+        got = note(preset, targets)
+        assert "LoRA r=4, base nf4" in got and "experts" not in got, got
 
 
 def test_merging_lora_of_experts_keeps_the_logits(family):

@@ -68,20 +68,20 @@ def test_nf4_bytes_are_what_torchao_stores():
 
 def test_shape_errors_name_the_layer_and_the_fix():
     from shardlm.build import meta_model, build_model_config
-    from shardlm.lora import lora_layers
+    from shardlm.lora import nf4_targets
     from shardlm.quant.nf4 import check_shapes
 
     cfg = load_config(None, [*TINY, "--lora.base_dtype=nf4"])
     model = meta_model(cfg, build_model_config(cfg, 0))
-    check_shapes(lora_layers(model), 1)
-    check_shapes(lora_layers(model), 2)
+    check_shapes(nf4_targets(model), 1)
+    check_shapes(nf4_targets(model), 2)
     with pytest.raises(ConfigError, match=r"layers\.0\.self_attn\.k_proj\.weight \(128x256\) does not split into 4 "
                                           r"NF4 shards.*parallel\.dp_shard"):
-        check_shapes(lora_layers(model), 4)
+        check_shapes(nf4_targets(model), 4)
     small = load_config(None, [*TINY, "--model.dim=128", "--model.ffn_dim=128", "--lora.base_dtype=nf4"])
     with pytest.raises(ConfigError, match=r"k_proj\.weight \(64x128\) has 8192 weights, not a multiple of 16384") \
             as e:
-        check_shapes(lora_layers(meta_model(small, build_model_config(small, 0))), 1)
+        check_shapes(nf4_targets(meta_model(small, build_model_config(small, 0))), 1)
     assert "\n" not in str(e.value) and "lora.base_dtype=bf16" in str(e.value)
 
 

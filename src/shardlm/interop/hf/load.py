@@ -31,7 +31,7 @@ from shardlm.interop.hf.names import Source, hf_shapes, hf_sources, is_fused_lay
 from shardlm.lora import is_lora_param
 from shardlm.models.llama import ModelConfig
 from shardlm.parallel.fsdp import shard_region
-from shardlm.quant.nf4 import is_nf4, quantize_into
+from shardlm.quant.nf4 import NF4_DTYPE, is_nf4, model_shape, nf4_params, quantize_into
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -139,7 +139,7 @@ def load_hf_weights(model: nn.Module, hf_dir: str | os.PathLike, *, check_config
     Names and shapes are checked against the files' headers first (ConfigError naming the tensor), then
     each parameter's local region `[offset, offset + local_shape)` is read with `get_slice`; the dtype
     is converted on the copy. No collective runs, so ranks need not call it in lockstep (unless the model has
-NF4 parameters: then every rank of the shard group calls it). RoPE buffers
+    NF4 parameters: then every rank of the shard group calls it). RoPE buffers
     are recomputed afterwards. With `check_config`, `model.cfg` must equal what config.json describes
     (max_seq_len excepted): same shapes with another RoPE base would otherwise load silently.
 
@@ -164,7 +164,9 @@ NF4 parameters: then every rank of the shard group calls it). RoPE buffers
     stored = scan_hf_weights(d)
     sources = hf_layout(cfg, d, stored) if isinstance(cfg, ModelConfig) else {}
     sources = {n: sources.get(n) or Source((our_key_to_hf(n),)) for n in params}
-    source = check_hf_tensors(stored, hf_shapes({n: tuple(p.shape) for n, p in params.items()}, sources), tied, d)
+    shapes = {n: tuple(p.shape) for n, p in params.items()}
+    shapes.update((n, model_shape(*owner)) for n, owner in nf4_params(model).items())  # stacked experts held flat
+    source = check_hf_tensors(stored, hf_shapes(shapes, sources), tied, d)
     nf4 = {n for n, p in params.items() if is_nf4(p)}
     with contextlib.ExitStack() as stack:
         files: dict[Path, object] = {}
@@ -176,20 +178,21 @@ NF4 parameters: then every rank of the shard group calls it). RoPE buffers
                 files[path] = stack.enter_context(safe_open(str(path), framework="pt"))
             return files[path].get_slice(src)[region]
 
+        def copy(name: str, local: torch.Tensor, offset: tuple[int, ...]) -> torch.Tensor:
+            region = tuple(slice(o, o + n) for o, n in zip(offset, local.shape))
+            for hf_name, hf_region, row in sources[name].region(region):  # stacked experts: one piece per expert
+                (local if row is None else local[row]).copy_(read(hf_name, hf_region))
+            return local
+
         for name in sorted(params, key=lambda n: str(stored[source[sources[n].names[0]]].file)):
             if name in nf4:
                 continue
             local, shape, offset = shard_region(params[name])
-            if local.numel() == 0:
-                continue  # more ranks than rows: this rank holds none of it
-            region = tuple(slice(o, o + n) for o, n in zip(offset, shape))
-            for hf_name, hf_region, row in sources[name].region(region):
-                (local if row is None else local[row]).copy_(read(hf_name, hf_region))
+            if local.numel():  # else more ranks than rows: this rank holds none of it
+                copy(name, local, offset)
         if nf4:  # QLoRA base: this rank's rows in bf16, quantised (one small all-gather per weight)
             def fill(name: str, p: torch.Tensor, shape: tuple[int, ...], row0: int) -> torch.Tensor:
-                region = (slice(row0, row0 + shape[0]), *(slice(0, n) for n in shape[1:]))
-                (hf_name, hf_region, _), = sources[name].region(region)
-                return read(hf_name, hf_region)
+                return copy(name, torch.empty(shape, dtype=NF4_DTYPE, device=p.device), (row0,) + (0,) * (len(shape) - 1))
 
             device = next(iter(params.values())).device
             quantize_into(model, fill, device)
