@@ -6,8 +6,9 @@ fp32 compute, the expert projections adapted (rank 4) and held as NF4, each rank
     the whole stacked `(n_experts * out, in)` weight; model.init_from=dcp: gives the same bits;
   * training: the loss falls, the NF4 experts are bitwise unchanged, a run stopped at step 2 and resumed equals
     the straight run; the sharded model's logits equal a one-process fp32 model on the dequantised weights;
-  * the checkpoint's NF4 pieces read back as the 3-D dequantised experts; `convert dcp-to-hf --merge-lora`'s
-    folder loads in transformers (per-expert layout) with the merged model's logits.
+  * the checkpoint's NF4 pieces read back as the 3-D dequantised experts; `generate`/`eval`'s loader merges the
+    adapters into them; `convert dcp-to-hf --merge-lora`'s folder loads in transformers (per-expert layout) with
+    the merged model's logits.
 
 Seen here (torch 2.13, torchao 0.18): losses 5.798, 5.807, 5.688, 5.352 (resumed: the same bits); the sharded
 logits equal the reference's (0.0); transformers on the merged export equals shardlm's merged model (0.0) and
@@ -146,6 +147,14 @@ def worker(tmp: str, store: str, hf: str) -> dict:
     final = Path(t.checkpoint_dir) / "step-3"
     t.checkpointer.close()
     t.release_locks()
+    # generate / eval load the checkpoint (both ranks: sharded), the NF4 experts read dequantised and merged
+    from shardlm.inference import load_for_inference
+
+    inf = load_for_inference(checkpoint=final, cfg=load_config(None, ["--train.mixed_precision=fp32",
+                                                                       "--train.device=cpu"]))
+    with torch.no_grad():
+        res["inference_vs_merged"] = (inf.model(x).float() - merged).abs().max().item()
+    del inf
 
     # -- the checkpoint's pieces and the merged export (rank 0; no collective) ---------------------------------
     if env.rank == 0:
@@ -216,6 +225,7 @@ def test_sharded_nf4_experts_give_the_dequantised_references_logits(res):
 
 
 def test_checkpoint_and_merged_export_of_nf4_experts(res):
+    assert res["inference_vs_merged"] < 1e-5, res["inference_vs_merged"]
     assert res["pieces"] == [f"layers.{i}.mlp.experts.{p}" for i in range(2) for p in sorted(PROJ)]
     assert res["pieces_read_back"]
     assert "model.layers.1.mlp.experts.3.down_proj.weight" in res["exported_keys"]
