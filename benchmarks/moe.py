@@ -3,7 +3,7 @@
     python benchmarks/moe.py [--part plan|cpu|gpu|both] [--save]
 
 (1) plan: `shardlm plan` (offline, fake tensors) of each MoE preset, a full fine-tune, LoRA r16 (attention and every
-    expert) and QLoRA r16 (lora.base_dtype=nf4: the attention linears in NF4, the stacked experts bf16), bf16, full
+    expert) and QLoRA r16 (lora.base_dtype=nf4: the attention linears and every expert projection in NF4), bf16, full
     AC, micro-batch 1 x 4096 tokens, chunked loss (4096), no alternatives: the smallest count of 80 GiB GPUs (8 per
     node, doubling from 8) at which the plan fits, and its per-GPU total (`= on the GPU`).
 (2) cpu: tokens/s of a training step (forward + backward, fp32, one process, 2 cores) of the debug_moe model (8

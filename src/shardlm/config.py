@@ -105,9 +105,9 @@ class LoraSection:
                              "optimizer state: small; resuming re-reads the base from model.init_from.")
     base_dtype: Literal["auto", "bf16", "fp32", "nf4"] = _f(
         "auto", "How the frozen base weights are stored (they are never updated): auto = the training precision "
-        "(bf16 under bf16/fp8, fp32 under fp32); bf16; fp32; nf4 = QLoRA: the base linears (lora.targets) as "
-        "torchao NF4 (4-bit, block size 64, double-quantised scales), all-gathered in NF4, dequantised per matmul "
-        "(needs the [fp8] extra: torchao).")
+        "(bf16 under bf16/fp8, fp32 under fp32); bf16; fp32; nf4 = QLoRA: the base linears (lora.targets) and the "
+        "adapted stacked expert projections as torchao NF4 (4-bit, block size 64, double-quantised scales), "
+        "all-gathered in NF4, dequantised per matmul (needs the [fp8] extra: torchao).")
 
     @property
     def scaling(self) -> float:
