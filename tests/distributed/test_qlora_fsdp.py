@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 from helpers.launch import run_ranks
-from helpers.qlora import STEPS, make_hf, nf4_reference, qlora_overrides
+from helpers.qlora import STEPS, make_hf, nf4_reference, nf4_state, qlora_overrides
 from helpers.runs import train_then
 from helpers.whole import local, whole
 
@@ -31,18 +31,6 @@ pytest.importorskip("transformers")
 pytest.importorskip("torchao")
 
 HALF = 4
-
-
-def _nf4_state(model) -> dict:
-    """Each NF4 parameter's local inner tensors (cloned)."""
-    from shardlm.quant.nf4 import nf4_params
-
-    out = {}
-    for name, (_, _, p) in nf4_params(model).items():
-        loc = p._local_tensor
-        out[name] = [getattr(loc, a).clone() for a in ("quantized_data", "quantized_scalers", "quantization_factor",
-                                                          "scaler_mean")]
-    return out
 
 
 def _gathered_bytes(model, x) -> int:
@@ -99,7 +87,7 @@ def worker(tmp: str, corpus: str, hf: str) -> dict:
 
     # -- the loaded NF4 model: bitwise to_nf4 of the whole weight after the all-gather -------------
     model = build_model(cfg, mc, mesh, torch.device("cpu"))
-    fresh = _nf4_state(model)
+    fresh = nf4_state(model)
     from safetensors.torch import load_file
 
     from shardlm.interop.hf.names import our_key_to_hf
@@ -125,7 +113,7 @@ def worker(tmp: str, corpus: str, hf: str) -> dict:
     dcfg = load_config(None, qlora_overrides(tmp / "probe", corpus, hf, **{"model.init_from": f"dcp:{tmp / 'dcp'}"}))
     from_dcp = build_model(dcfg, build_model_config(dcfg, 0), mesh, torch.device("cpu"))
     res["dcp_equal"] = all(all(torch.equal(a, b) for a, b in zip(v, fresh[k]))
-                           for k, v in _nf4_state(from_dcp).items()) and len(fresh) == 14
+                           for k, v in nf4_state(from_dcp).items()) and len(fresh) == 14
     del from_dcp
     nf4 = nf4_params(model)
     local_nf4 = sum(sum(getattr(p._local_tensor, a).numel() * getattr(p._local_tensor, a).element_size()
@@ -157,7 +145,7 @@ def worker(tmp: str, corpus: str, hf: str) -> dict:
     t = Trainer(load_config(None, qlora_overrides(tmp / "again", corpus, hf, **{"train.steps": 3})))
     t.train()
     res["base_unchanged"] = all(all(torch.equal(a, b) for a, b in zip(v, fresh[k]))
-                                for k, v in _nf4_state(t.model).items())
+                                for k, v in nf4_state(t.model).items())
     # our logits (sharded NF4 model, trained adapters) vs the unsharded dequantised reference
     with torch.no_grad():
         ours = t.model(x).float()

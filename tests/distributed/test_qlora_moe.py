@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 from helpers.launch import run_ranks
+from helpers.qlora import nf4_state
 from helpers.whole import local, whole
 
 pytest.importorskip("transformers")
@@ -41,14 +42,6 @@ def _overrides(out, store, hf, **extra) -> list[str]:
          "metrics.progress_bar": False, "train.sample_tokens": 0, "eval.interval": 0, "eval.at_end": False}
     o.update(extra)
     return [f"--{k}={v}" for k, v in o.items()]
-
-
-def _nf4_state(model) -> dict:
-    from shardlm.quant.nf4 import nf4_params
-
-    return {n: [getattr(p._local_tensor, a).clone() for a in ("quantized_data", "quantized_scalers",
-                                                              "quantization_factor", "scaler_mean")]
-            for n, (_, _, p) in nf4_params(model).items()}
 
 
 def _same(a: dict, b: dict) -> bool:
@@ -105,7 +98,7 @@ def worker(tmp: str, store: str, hf: str) -> dict:
 
     # -- loaded from HF: each rank quantises its 2 experts; the all-gather is to_nf4 of the whole ---------------
     model = build_model(cfg, mc, mesh, torch.device("cpu"))
-    fresh = _nf4_state(model)
+    fresh = nf4_state(model)
     to_nf4 = torchao_nf4().to_nf4
     bitwise = []
     for i, block in enumerate(model.layers):
@@ -119,7 +112,7 @@ def worker(tmp: str, store: str, hf: str) -> dict:
         block.reshard()
     res["bitwise"] = bitwise
     dcfg = load_config(None, _overrides(tmp / "probe", store, hf, **{"model.init_from": f"dcp:{tmp / 'dcp'}"}))
-    res["dcp_equal"] = _same(_nf4_state(build_model(dcfg, build_model_config(dcfg, 0), mesh, torch.device("cpu"))),
+    res["dcp_equal"] = _same(nf4_state(build_model(dcfg, build_model_config(dcfg, 0), mesh, torch.device("cpu"))),
                              fresh) and len(fresh) == 6
 
     # -- training: loss falls, NF4 experts unchanged, resume exact ----------------------------------------------
@@ -130,7 +123,7 @@ def worker(tmp: str, store: str, hf: str) -> dict:
     res["straight"], res["first"], res["resumed"] = straight["loss"], first["loss"], resumed["loss"]
     t = Trainer(load_config(None, _overrides(tmp / "again", store, hf, **{"train.steps": 3})))
     t.train()
-    res["base_unchanged"] = _same(_nf4_state(t.model), fresh)
+    res["base_unchanged"] = _same(nf4_state(t.model), fresh)
     x = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         ours = t.model(x).float()

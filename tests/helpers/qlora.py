@@ -63,3 +63,12 @@ def nf4_reference(cfg, mc, hf: str, lora_sd: dict):
     ref.load_state_dict(sd, strict=False)
     ref.rope.reset_parameters()
     return ref
+
+
+def nf4_state(model) -> dict:
+    """Each NF4 parameter's local inner tensors (cloned): to compare two models' NF4 shards bit for bit."""
+    from shardlm.quant.nf4 import nf4_params
+
+    return {name: [getattr(p._local_tensor, a).clone() for a in ("quantized_data", "quantized_scalers",
+                                                                 "quantization_factor", "scaler_mean")]
+            for name, (_, _, p) in nf4_params(model).items()}
