@@ -13,6 +13,8 @@ picks are never perfectly balanced on a random model).
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from helpers.launch import run_ranks
 from helpers.whole import local
@@ -24,9 +26,13 @@ STEPS, REL = 4, 1e-5
 def store(tmp_path_factory, corpus):
     from helpers.stores import text_store
 
+    from helpers.stores import sft_store
+
     d = tmp_path_factory.mktemp("moe_data")
     text = corpus.read_text()
     text_store([text[i : i + 400] for i in range(0, 60_000, 400)], d / "text", 0.05)
+    # short samples (~38 tokens) one per row (data.pack=false): rows of 64 are 43% padding, all in the second half
+    sft_store([{"prompt": f"{i}+{i}", "completion": f"={2 * i}"} for i in range(200)], d / "sft", 0.2)
     return d / "text"
 
 
@@ -38,6 +44,8 @@ def _args(tmp, tag, store, mbs, accum, **extra) -> list[str]:
          "metrics.progress_bar": False, "checkpoint.save_final": False, "train.sample_tokens": 0,
          "eval.interval": 0, "eval.at_end": True, "eval.max_tokens": 512}
     o.update(extra)
+    if o.get("data.format") == "sft":
+        o["data.path"] = f"store:{Path(store).parent / 'sft'}"
     return [f"--{k}={v}" for k, v in o.items()]
 
 
@@ -47,6 +55,8 @@ CASES = {  # name -> (grad_accum, overrides)
     "lora": (1, {"lora.rank": 4, "lora.targets": "q_proj,v_proj,gate_proj,up_proj,down_proj", "train.ac": "full"}),
     # 3 experts over 4 ranks: fewer experts than ranks, so each stacked weight shards on its largest other dim
     "few": (1, {"model.n_experts": 3, "lora.rank": 4}),
+    # SFT rows end in padding, which the router statistics leave out (a mask sliced like the tokens under CP)
+    "sft": (1, {"data.format": "sft", "data.pack": "false"}),
 }
 
 
@@ -70,6 +80,7 @@ def train_runs(runs):
         out[tag]["expert_shard"] = tuple(local(experts.gate_proj).shape), tuple(local(experts.down_proj).shape), \
             tuple(local(experts.lora_A["down_proj"]).shape) if experts.lora_A is not None else None
         out[tag]["trainable"] = sorted({n.split(".", 2)[-1] for n, p in t.model.named_parameters() if p.requires_grad})
+        out[tag]["mark_padding"] = getattr(t.loader, "mark_padding", None)
         t.close()
     return out
 
@@ -89,7 +100,8 @@ def _four(tmp, store):
     out = train_runs(_runs(tmp, store, "dp4", 1, ["plain"], dp_shard=4))
     out.update({f"hsdp_{k}": v for k, v in train_runs(_runs(tmp, store, "hsdp", 1, ["plain"], dp_replicate=2,
                                                             dp_shard=2)).items()})
-    out.update({f"cp_{k}": v for k, v in train_runs(_runs(tmp, store, "cp", 1, ["lora"], dp_shard=2, cp=2)).items()})
+    out.update({f"cp_{k}": v for k, v in train_runs(_runs(tmp, store, "cp", 1, ["lora", "sft"], dp_shard=2,
+                                                            cp=2)).items()})
     out.update(train_runs(_runs(tmp, store, "dp4", 1, ["few"], dp_shard=4)))
     return out
 
@@ -98,7 +110,7 @@ def _four(tmp, store):
 def results(tmp_path_factory, store):
     tmp = tmp_path_factory.mktemp("moe_runs")
     # one rank: the 2-rank runs' global micro-batches (2 rows), and the 4-rank runs' (4 rows) for "plain"
-    one = _runs(tmp, store, "one", 2, ["plain", "lora"]) + [("plain4", _runs(tmp, store, "one4", 4, ["plain"])[0][1])] \
+    one = _runs(tmp, store, "one", 2, ["plain", "lora", "sft"]) + [("plain4", _runs(tmp, store, "one4", 4, ["plain"])[0][1])] \
         + _runs(tmp, store, "one", 4, ["few"])
     return {"one": run_ranks(1, train_runs, one),
             "two": run_ranks(2, _two, tmp, store),
@@ -124,6 +136,9 @@ def test_four_ranks_hsdp_and_cp_equal_one(results):
     _same(one["plain4"], four["plain"], "dp_shard=4", keys=("loss", "grad_norm", "moe_aux_loss", "moe_z_loss"))
     _same(one["plain4"], four["hsdp_plain"], "HSDP 2x2", keys=("loss", "grad_norm", "moe_aux_loss", "moe_z_loss"))
     _same(one["lora"], four["cp_lora"], "dp_shard=2 x cp=2 (LoRA)")
+    _same(one["sft"], four["cp_sft"], "dp_shard=2 x cp=2 (SFT, padding out of the router statistics)")
+    assert one["sft"]["mark_padding"] is True and four["cp_sft"]["mark_padding"] is True
+    assert one["plain"]["mark_padding"] is None  # text rows: no padding to mark
     assert four["plain"]["expert_rows"] == 2 and four["hsdp_plain"]["expert_rows"] == 4
 
 

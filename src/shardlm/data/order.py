@@ -216,15 +216,15 @@ def check_ids(inputs: torch.Tensor, labels: torch.Tensor, vocab_size: int, sourc
 
 
 def context_slice(batch: tuple[torch.Tensor, ...], rank: int, size: int) -> tuple[torch.Tensor, ...]:
-    """A micro-batch (inputs, labels[, positions]) as CP rank `rank` of `size` takes it: inputs and labels are
-    its contiguous `seq_len / size` tokens of each row (labels were shifted before the cut: the slice's last
-    label is the next slice's first input), positions stay whole rows (RoPE and the document mask of attention
-    span the whole sequence). size 1: the batch itself."""
+    """A micro-batch (inputs, labels[, positions[, real]]) as CP rank `rank` of `size` takes it: inputs, labels
+    and the non-padding mask `real` are its contiguous `seq_len / size` tokens of each row (labels were shifted
+    before the cut: the slice's last label is the next slice's first input), positions stay whole rows (RoPE and
+    the document mask of attention span the whole sequence). size 1: the batch itself."""
     if size == 1:
         return batch
-    x, y, *rest = batch
-    t = x.shape[1] // size
-    return (x[:, rank * t : (rank + 1) * t], y[:, rank * t : (rank + 1) * t], *rest)
+    t = batch[0].shape[1] // size
+    cut = slice(rank * t, (rank + 1) * t)
+    return tuple(b if i == 2 or b is None else b[:, cut] for i, b in enumerate(batch))
 
 
 class RowLoader:

@@ -147,6 +147,7 @@ class SFTLoader(RowLoader):
                  shuffle: bool = True, pack: bool = True, pad_id: int = 0, document_mask: bool = False):
         L = self.seq_len = seq_len
         self.pack, self.pad_id, self.document_mask = pack, pad_id, document_mask
+        self.mark_padding = False  # rows also say which tokens are padding (`rows`)
         data = samples if isinstance(samples, SFTSamples) else SFTSamples.from_pairs(samples)
         self.data = data
         # Per sample, from the index only (the tokens stay in the memory map): held ~24 bytes a sample
@@ -209,13 +210,17 @@ class SFTLoader(RowLoader):
         """Indices (among the kept samples, in input order) of the samples in row w, in row order."""
         return self._items[self._ptr[w] : self._ptr[w + 1]].tolist()
 
-    def rows(self, ids: list[int]) -> tuple[torch.Tensor, ...]:
-        """(inputs, labels), or (inputs, labels, positions) with `document_mask`; each (len(ids), seq_len)."""
+    def rows(self, ids: list[int]) -> tuple[torch.Tensor | None, ...]:
+        """(inputs, labels), or (inputs, labels, positions) with `document_mask`; each (len(ids), seq_len). With
+        `mark_padding` (the trainer sets it for a mixture of experts: the router statistics leave padding out, as
+        HF's attention mask does), (inputs, labels, positions or None, real): real is False on the padding."""
         rows = [self.row(w) for w in ids]
         out = (torch.from_numpy(np.stack([r[0] for r in rows])), torch.from_numpy(np.stack([r[1] for r in rows])))
-        if not self.document_mask:
-            return out
-        return (*out, torch.from_numpy(np.stack([self.row_positions(w) for w in ids])))
+        positions = torch.from_numpy(np.stack([self.row_positions(w) for w in ids])) if self.document_mask else None
+        if self.mark_padding:
+            filled = torch.tensor([sum(int(self.lengths[i]) for i in self.row_samples(w)) for w in ids])
+            return (*out, positions, torch.arange(self.seq_len)[None, :] < filled[:, None])
+        return out if positions is None else (*out, positions)
 
 
 def sft_stats(loader: SFTLoader, store, template: str) -> dict:

@@ -196,7 +196,7 @@ class RouterBalance:
     f_e = (top-k picks of expert e) / R and P_e = (summed router probability of e) / R; the loss is
     n_experts * sum_e f_e * P_e. The z-loss (ST-MoE) is sum(logsumexp(router logits)^2) / R.
     A layer's forward records its local counts, probability sums and z sums (recorded again, identically, when
-    activation checkpointing recomputes it); `reduce(all_reduce)` sums them over the ranks that share the
+    activation checkpointing recomputes it), padding tokens left out (`token_mask`: HF's attention mask); `reduce(all_reduce)` sums them over the ranks that share the
     micro-batch; the backward then gives each layer's probabilities the gradient of
     `scale * (aux_coef * loss + z_coef * z)`, `scale` set by the trainer for its normalisation.
     """
@@ -204,6 +204,9 @@ class RouterBalance:
     def __init__(self, n_experts: int, top_k: int, aux_coef: float, z_coef: float = 0.0):
         self.n_experts, self.top_k, self.aux_coef, self.z_coef = n_experts, top_k, aux_coef, z_coef
         self.scale = 1.0
+        # this micro-batch's local tokens (flat, bool): False = padding, left out of the statistics as HF's attention
+        # mask leaves it out; None: every token counts. Set by the trainer before the forward.
+        self.token_mask: torch.Tensor | None = None
         self.reset()
 
     def reset(self) -> None:
@@ -240,7 +243,7 @@ class RouterBalance:
             self.reduce()
         e = self.n_experts
         counts, probs, z = self._total[:e], self._total[e:2 * e], self._total[2 * e]
-        rows = counts.sum() / self.top_k
+        rows = (counts.sum() / self.top_k).clamp_min(1.0)  # 0 only if every token was padding: no loss, not NaN
         return counts, probs, z, rows
 
     def aux_loss(self) -> torch.Tensor:
@@ -282,7 +285,15 @@ class _AttachBalance(torch.autograd.Function):
 @torch.compiler.disable
 def _attach(out: torch.Tensor, layer: int, logits: torch.Tensor, probs: torch.Tensor, expert: torch.Tensor,
             balance: RouterBalance) -> torch.Tensor:
-    prob_sum, z = probs.float().sum(0), torch.logsumexp(logits.float(), -1).pow(2).sum()  # once: recorded and attached
+    z = torch.logsumexp(logits.float(), -1).pow(2)
+    probs = probs.float()
+    if (mask := balance.token_mask) is not None:  # padding: out of the counts, the probability sums and z
+        if mask.shape != (expert.shape[0],):
+            raise ValueError(f"RouterBalance.token_mask has shape {tuple(mask.shape)}, the layer routed "
+                             f"{expert.shape[0]} tokens")
+        expert, keep = expert[mask], mask.to(probs.dtype)
+        probs, z = probs * keep[:, None], z * keep
+    prob_sum, z = probs.sum(0), z.sum()  # once: recorded and attached
     balance.record(layer, expert, prob_sum, z)
     return _AttachBalance.apply(out, prob_sum, z, balance)
 

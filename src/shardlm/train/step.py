@@ -24,7 +24,9 @@ from shardlm.errors import TrainingError
 from shardlm.models.moe import RouterBalance, set_router_balance
 from shardlm.train.sdpa import sdpa_context
 
-Batch = tuple[torch.Tensor, ...]  # (inputs, labels) or (inputs, labels, positions), each (B, T) int64
+# (inputs, labels), (inputs, labels, positions), or (inputs, labels, positions or None, real): each (B, T), int64 but
+# `real` (bool: False on SFT padding, which the router statistics leave out; `SFTLoader.mark_padding`)
+Batch = tuple[torch.Tensor | None, ...]
 
 
 def set_grad_sync(model: nn.Module, k: int, n_micro: int, mode: str, hsdp: bool) -> None:
@@ -62,9 +64,11 @@ class RouterLosses:
         self.total: torch.Tensor | None = None  # [aux, z, tokens per expert] summed over micro-batches since read
         self.n = 0
 
-    def start(self, n_micro: int) -> None:
+    def start(self, n_micro: int, real: torch.Tensor | None = None) -> None:
+        """Before a micro-batch's forward; `real`: its (B, T) mask of non-padding tokens (None: no padding)."""
         self.balance.reset()
         self.balance.scale = self.grad_ranks / n_micro
+        self.balance.token_mask = None if real is None else real.reshape(-1)
 
     def after_forward(self) -> None:
         b = self.balance
@@ -124,9 +128,9 @@ def forward_backward(model: nn.Module, batches: list[Batch], scale: float, devic
             if before_micro_batch is not None:
                 before_micro_batch(k)
             x, y = batch[0].to(device, non_blocking=True), batch[1].to(device, non_blocking=True)
-            positions = batch[2].to(device, non_blocking=True) if len(batch) > 2 else None
+            positions = batch[2].to(device, non_blocking=True) if len(batch) > 2 and batch[2] is not None else None
             if router is not None:
-                router.start(len(batches))
+                router.start(len(batches), batch[3].to(device, non_blocking=True) if len(batch) > 3 else None)
             loss = model(x, positions, labels=y, loss_chunk_tokens=loss_chunk_tokens)
             if router is not None:
                 router.after_forward()

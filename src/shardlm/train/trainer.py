@@ -109,6 +109,8 @@ class Trainer:
         wd.attach(self.model)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.router = router_losses(self.model, self.model_cfg, self.dims.grad_ranks)  # None unless experts
+        if self.router is not None and hasattr(self.loader, "mark_padding"):  # SFT padding: out of the router stats
+            self.loader.mark_padding = True
         saved = self.params if cfg.lora.adapters_only else list(self.model.parameters())
         s.check_writable(sum(p.numel() for p in saved), sum(p.numel() for p in self.params))
         self.fp8_all_gather = self.run.fp8_all_gather
@@ -238,7 +240,7 @@ class Trainer:
         # mean busy time per step in its own slot (a sum of one-hot vectors = a gather, no extra collective).
         ctrl_c = stop_requested and self.preemption.interrupted
         slots = self.busy.slots(self.env.rank, self.env.world_size) if self.logs_next_step() else []
-        # a batch: (x, y) or (x, y, positions); under parallel.cp each rank's labels are its slice of the rows
+        # a batch: (x, y[, positions[, real]]) (step.Batch); under parallel.cp each rank's labels are its slice of rows
         targets = sum(int((b[1] != IGNORE_INDEX).sum()) for b in batches)
         counts = torch.tensor([float(targets), float(stop_requested), float(ctrl_c), *slots])
         wd.enter("token-count all-reduce")

@@ -102,3 +102,11 @@ def test_next_step_is_sliced_for_mixtures_and_sft():
     assert got[0].shape == (2, L // 4) and got[2].shape == (2, L)
     for x, y in zip(got, context_slice(whole, 0, 4), strict=True):
         assert torch.equal(x, y)
+    # with the padding marked (a mixture of experts): the mask is sliced like the tokens, positions stay whole
+    marked, loader = sft(), sft()
+    marked.mark_padding = loader.mark_padding = True
+    (whole,) = marked.next_step()
+    loader.set_context_parallel(3, 4)
+    (got,) = loader.next_step()
+    assert len(got) == 4 and got[3].shape == (2, L // 4) and got[2].shape == (2, L)
+    assert torch.equal(got[3], whole[3][:, 3 * L // 4 :]) and not got[3].all()  # the last quarter holds padding

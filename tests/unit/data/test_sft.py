@@ -318,6 +318,27 @@ def test_pack_and_pad_shapes_and_no_label_crosses_samples():
         assert pad.row_samples(w) == [w]
 
 
+def test_mark_padding_says_which_tokens_are_padding():
+    """For a mixture of experts' router statistics (`mark_padding`): rows carry `real`, True on the samples'
+    tokens and False on the padding after them; positions stay in their place (None without document_mask)."""
+    import torch
+
+    samples = _synthetic(12, np.random.default_rng(1))
+    for document_mask in (False, True):
+        loader = SFTLoader(samples, 24, micro_batch_size=3, grad_accum=1, dp_rank=0, dp_size=1, pack=True, pad_id=7,
+                           document_mask=document_mask, shuffle=False)
+        assert len(loader.rows([0, 1])) == (3 if document_mask else 2)
+        loader.mark_padding = True
+        ids = list(range(loader.n_rows))
+        x, y, positions, real = loader.rows(ids)
+        assert (positions is not None) == document_mask and real.dtype == torch.bool and real.shape == x.shape
+        for k, w in enumerate(ids):
+            n = sum(len(samples[i][0]) - 1 for i in loader.row_samples(w))
+            assert real[k, :n].all() and not real[k, n:].any(), (w, n)
+        assert not real.all()  # some padding: the check above could fail
+        assert (x[~real] == 7).all() and (y[~real] == IGNORE_INDEX).all()
+
+
 def torch_int64():
     import torch
 

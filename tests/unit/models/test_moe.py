@@ -162,6 +162,37 @@ def test_aux_loss_and_router_gradient_equal_transformers(name, tmp_path):
     assert (ours.layers[0].mlp.gate.weight.grad - g_hf).abs().max() > 1e-5
 
 
+@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral"])
+def test_padding_is_left_out_of_the_aux_loss_as_hfs_attention_mask_does(name, tmp_path):
+    """Right-padded rows (SFT): with `token_mask` the aux loss and the router's gradient equal transformers' given
+    the attention mask; counting the padding (no mask) gives another loss."""
+    hf = _hf(name, output_router_logits=True, router_aux_loss_coef=0.05).train()
+    hf.save_pretrained(tmp_path, safe_serialization=True)
+    ours = _load(tmp_path).train()
+    cfg = ours.cfg
+    balance = RouterBalance(cfg.n_experts, cfg.n_experts_per_tok, cfg.router_aux_loss_coef)
+    set_router_balance(ours, balance)
+    real = torch.arange(TOKENS.shape[1])[None, :] < torch.tensor([[30], [25]])  # rows of 30 and 25 tokens
+    hf_labels = TOKENS.masked_fill(~real, -100)
+    labels = torch.cat([hf_labels[:, 1:], torch.full((2, 1), -100)], 1)
+    out = hf(input_ids=TOKENS, attention_mask=real.long(), labels=hf_labels)
+    balance.token_mask = real.reshape(-1)
+    ce = ours(TOKENS, labels=labels) / (labels != -100).sum()
+    assert abs(balance.aux_loss().item() - out.aux_loss.item()) <= 1e-6
+    out.loss.backward()
+    ce.backward()
+    router = "model.layers.0.mlp.gate.weight"
+    torch.testing.assert_close(ours.layers[0].mlp.gate.weight.grad, dict(hf.named_parameters())[router].grad,
+                               rtol=0, atol=1e-7)
+    balance.reset()
+    balance.token_mask = None
+    ours(TOKENS, labels=labels)
+    assert abs(balance.aux_loss().item() - out.aux_loss.item()) > 1e-4  # the padding counted: another loss
+    balance.token_mask = torch.ones(7, dtype=torch.bool)
+    with pytest.raises(ValueError, match="token_mask has shape"):
+        ours(TOKENS, labels=labels)
+
+
 def test_dispatch_equals_a_per_token_reference_and_gives_idle_experts_zero_grads():
     torch.manual_seed(0)
     ex = Experts(5, 8, 6)
