@@ -12,7 +12,7 @@
     timed steps after 3 warm-up steps; the median per model and the ratio.
 (3) gpu (when a GPU is lent): one MoE layer of Qwen3-30B-A3B's shape in bf16 on 16k tokens, forward + backward,
     with the grouped matmul (F.grouped_mm) and with the per-expert loop: the same loss (rel 1e-2, bf16) and the
-    tokens/s of each.
+    tokens/s of each; then the same with the experts in NF4 as QLoRA holds them (torchao needed).
 """
 
 from __future__ import annotations
@@ -103,6 +103,44 @@ def cpu_rows(rounds: int = 5, steps: int = 10) -> list[str]:
     return lines
 
 
+def _quantize_experts(layer) -> None:
+    """The layer's stacked expert projections as QLoRA holds them: one flat NF4 tensor each (`apply_nf4`'s layout)."""
+    from torch import nn
+
+    from shardlm.quant.nf4 import quantize_shard
+
+    ex = layer.experts
+    for p in ("gate_proj", "up_proj", "down_proj"):
+        w = getattr(ex, p)
+        ex.logical_shapes[p] = tuple(w.shape)
+        setattr(ex, p, nn.Parameter(quantize_shard(w.detach().reshape(-1, w.shape[-1])), requires_grad=False))
+
+
+def _time_paths(layer, x, steps: int, sync) -> tuple[dict, dict]:
+    """(seconds, last loss) of forward + backward with the grouped kernel and with the per-expert loop."""
+    from shardlm.models import moe as moe_mod
+
+    out, times = {}, {}
+    grouped = moe_mod.use_grouped_mm
+    for name, use in (("grouped_mm", grouped), ("per-expert loop", lambda _x: False)):
+        moe_mod.use_grouped_mm = use
+        try:
+            for _ in range(2):
+                layer(x).float().pow(2).mean().backward()
+            sync()
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                loss = layer(x).float().pow(2).mean()
+                loss.backward()
+            sync()
+            times[name], out[name] = time.perf_counter() - t0, loss.item()
+        except Exception as e:  # noqa: BLE001 (report the failing path, keep the other)
+            times[name], out[name] = None, f"{type(e).__name__}: {e}"
+        finally:
+            moe_mod.use_grouped_mm = grouped
+    return times, out
+
+
 def gpu_rows(tokens: int = 16384, steps: int = 10) -> list[str]:
     from shardlm.models import moe as moe_mod
     from shardlm.models.presets import PRESETS as ALL
@@ -114,30 +152,23 @@ def gpu_rows(tokens: int = 16384, steps: int = 10) -> list[str]:
     layer = moe_mod.MoE(mc.dim, mc.n_experts, mc.n_experts_per_tok, mc.moe_ffn_dim, True).cuda().bfloat16()
     for p in layer.parameters():
         torch.nn.init.normal_(p, std=0.02)
-    x = torch.randn(tokens, mc.dim, device="cuda", dtype=torch.bfloat16)
-    out, times = {}, {}
-    grouped = moe_mod.use_grouped_mm
-    for name, use in (("grouped_mm", grouped), ("per-expert loop", lambda _x: False)):
-        moe_mod.use_grouped_mm = use
-        try:
-            for _ in range(2):
-                layer(x).float().pow(2).mean().backward()
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            for _ in range(steps):
-                loss = layer(x).float().pow(2).mean()
-                loss.backward()
-            torch.cuda.synchronize()
-            times[name], out[name] = time.perf_counter() - t0, loss.item()
-        except Exception as e:  # noqa: BLE001 (report the failing path, keep the other)
-            times[name], out[name] = None, f"{type(e).__name__}: {e}"
-        finally:
-            moe_mod.use_grouped_mm = grouped
+    x = torch.randn(tokens, mc.dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     lines = [f"{torch.cuda.get_device_name()}: one Qwen3-30B-A3B MoE layer (128 experts, top-8), bf16, {tokens} tokens, "
-             f"forward + backward, {steps} steps; grouped_mm available: {grouped(x)}"]
-    for name in times:
-        t = times[name]
-        lines.append(f"  {name:<16} loss {out[name]}  " + (f"{tokens * steps / t:,.0f} tokens/s" if t else "failed"))
+             f"forward + backward, {steps} steps; grouped_mm available: {moe_mod.use_grouped_mm(x)}"]
+    kinds = [("bf16 experts", None)]
+    try:
+        import torchao  # noqa: F401 (QLoRA's NF4 experts need it)
+
+        kinds.append(("NF4 experts (QLoRA)", _quantize_experts))
+    except ImportError:
+        lines.append("  (no torchao: the NF4 experts' rows are skipped)")
+    for kind, prepare in kinds:
+        if prepare is not None:
+            prepare(layer)
+        times, out = _time_paths(layer, x, steps, torch.cuda.synchronize)
+        for name, t in times.items():
+            lines.append(f"  {kind:<20} {name:<16} loss {out[name]}  "
+                         + (f"{tokens * steps / t:,.0f} tokens/s" if t else "failed"))
     return lines
 
 
