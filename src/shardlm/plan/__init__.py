@@ -105,6 +105,8 @@ def measure(cfg: Config, world_size: int, usable_bytes: int, name: str, override
                           document_attention=document_attention) for n in reduced)
         try:
             peak, offload = extrapolate_peak(a, b, mc.n_layers, b.n_layers - a.n_layers)
+            segments = extrapolate_segments(a.segments, b.segments, a, b, mc.n_layers)
+            offload_segments = extrapolate_segments(a.offload_segments, b.offload_segments, a, b, mc.n_layers)
         except NotAffine as e:
             note = f"ran all {mc.n_layers} layers ({e})"
         else:
@@ -112,10 +114,8 @@ def measure(cfg: Config, world_size: int, usable_bytes: int, name: str, override
             state = {k: round(v) for k, v in lerp(a.model_state, b.model_state, t).items()}
             step = StepMemory(n_layers=mc.n_layers, n_params=mc.num_params(),
                               trainable=round(a.trainable + (b.trainable - a.trainable) * t), peak=peak,
-                              model_state=state, offload=offload, phases=None,
-                              segments=extrapolate_segments(a.segments, b.segments, a, b, mc.n_layers),
-                              offload_segments=extrapolate_segments(a.offload_segments, b.offload_segments, a, b,
-                                                                    mc.n_layers))
+                              model_state=state, offload=offload, phases=None, segments=segments,
+                              offload_segments=offload_segments)
     if step is None:
         step = fake_step(cfg, world_size, mc, document_attention=document_attention)
     t = cfg.train

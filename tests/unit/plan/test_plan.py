@@ -271,6 +271,27 @@ def test_extrapolation_checks_its_fit(extrapolate_small):
         extrapolate_peak(a, b, mc.n_layers, 1)
 
 
+def test_a_segment_that_jumps_is_not_extrapolated():
+    """The allocator's segments grow per block by about what the tensors grow; a segment that grows more between the
+    two short runs jumped once (a request that stopped fitting a hole) and would be multiplied by the blocks left:
+    NotAffine (then every block is planned). The figures are Mixtral-8x22B's on 64 ranks at 10 and 11 blocks."""
+    from types import SimpleNamespace
+
+    from shardlm.plan.extrapolate import NotAffine, extrapolate_segments
+
+    gib = 2**30
+    a = SimpleNamespace(n_layers=10, peak={"Total": round(31.18 * gib)})
+    b = SimpleNamespace(n_layers=11, peak={"Total": round(31.76 * gib)})
+    sa = {"compute/large": round(27.99 * gib), "all-gather/large": round(9.71 * gib), "reduce-scatter/large": round(1.48 * gib)}
+    steady = {**sa, "compute/large": round(28.40 * gib), "reduce-scatter/large": round(1.64 * gib)}
+    got = extrapolate_segments(sa, steady, a, b, 56)
+    assert got["compute/large"] == round(27.99 * gib) + 46 * (round(28.40 * gib) - round(27.99 * gib))
+    assert got["all-gather/large"] == sa["all-gather/large"]  # the buffers in flight: the same at any depth
+    with pytest.raises(NotAffine, match=r"compute/large segment grew 1\.07 GiB from 10 to 11 layers, the tensors "
+                                        r"0\.58 GiB"):
+        extrapolate_segments(sa, {**steady, "compute/large": round(29.06 * gib)}, a, b, 56)
+
+
 def test_which_models_are_extrapolated():
     from shardlm.plan.extrapolate import reduced_layers
 
