@@ -652,8 +652,13 @@ class Transformer(nn.Module):
                 # A swapped-in module (LoRA) may say how its own parameters start.
                 spec = module.init_spec(pname) if hasattr(module, "init_spec") and module is not self else None
                 local, row0 = shard_view(p)
-                shape = getattr(module, "logical_shapes", {}).get(pname, p.shape)  # stacked experts held flat (NF4)
-                fill_param(local, row0, shape, spec or self.init_spec(name), seed, name)
+                fill_param(local, row0, model_shape(module, pname, p), spec or self.init_spec(name), seed, name)
+
+
+def model_shape(module: nn.Module, pname: str, p: torch.Tensor) -> tuple[int, ...]:
+    """The shape the model gives parameter `pname` of `module`: its own, or the one the module records in
+    `logical_shapes` for a parameter held in another (stacked experts held flat in NF4: `shardlm.quant.nf4`)."""
+    return tuple(getattr(module, "logical_shapes", {}).get(pname, p.shape))
 
 
 def fill_param(

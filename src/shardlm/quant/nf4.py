@@ -56,6 +56,7 @@ from torch.distributed.tensor import DTensor, Shard
 from shardlm._torch_compat import dtensor_local
 from shardlm.errors import ConfigError
 from shardlm.extras import require
+from shardlm.models.llama import model_shape
 
 BLOCK_SIZE = 64  # weights per absmax scale
 SCALER_BLOCK_SIZE = 256  # scales per second-level (double quantisation) factor
@@ -163,11 +164,6 @@ def apply_nf4(targets: Targets) -> list[str]:
         setattr(m, attr, nn.Parameter(empty_nf4((math.prod(shape[:-1]), shape[-1])), requires_grad=False))
         names.append(name)
     return names
-
-
-def model_shape(module: nn.Module, pname: str, p: torch.Tensor) -> tuple[int, ...]:
-    """The shape the model gives parameter `pname` of `module` (3-D for stacked experts held flat in NF4)."""
-    return tuple(getattr(module, "logical_shapes", {}).get(pname, p.shape))
 
 
 def nf4_params(model: nn.Module) -> dict[str, tuple[nn.Module, str, torch.Tensor]]:
